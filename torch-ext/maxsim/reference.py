@@ -1,0 +1,139 @@
+"""Pure-PyTorch exact reference for the maxsim op set.
+
+Two roles: the test oracle (run in fp64 with ``accum=torch.float64``) and the
+fallback for any op a backend lacks. It follows the op contract written in
+``torch_binding.h`` exactly, and never holds more than a bounded slice of the
+similarity grid: pairs are processed in chunks of at most ``_GRID_BUDGET``
+similarity entries.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CROSS, GROUPED, LIST = 0, 1, 2
+_GRID_BUDGET = 1 << 22  # similarity entries held at once
+
+
+def pair_ids(layout: int, nq: int, nd: int, pair_q=None, pair_d=None, device=None):
+    """(query id, document id) of every pair, as int64 tensors."""
+    if layout == CROSS:
+        p = torch.arange(nq * nd, device=device)
+        return p // max(nd, 1), p % max(nd, 1)
+    if layout == GROUPED:
+        k = nd // nq if nq else 0
+        p = torch.arange(nd, device=device)
+        return p // max(k, 1), p
+    return pair_q.long(), pair_d.long()
+
+
+def _segments(start, length, n_rows, width, mask):
+    """Row indices [N, width] and validity [N, width] of each segment."""
+    ar = torch.arange(width, device=start.device)
+    rows = start.long()[:, None] + ar[None, :]
+    valid = ar[None, :] < length.long()[:, None]
+    rows = torch.where(valid, rows, torch.zeros_like(rows)).clamp_(0, max(n_rows - 1, 0))
+    if mask is not None and n_rows > 0:
+        valid = valid & mask[rows]
+    return rows, valid
+
+
+def forward(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d,
+            layout: int, lq: int, argmax_kind: int, tf32: bool = False,
+            accum: torch.dtype = torch.float32):
+    """Reference for ``ops.forward``: returns (scores [P] fp32 (or ``accum``), argmax)."""
+    device = q.device
+    nq, nd = q_start.numel(), d_start.numel()
+    qi, di = pair_ids(layout, nq, nd, pair_q, pair_d, device)
+    P = qi.numel()
+    bad = (qi < 0) | (qi >= nq) | (di < 0) | (di >= nd)
+    qi_c = qi.clamp(0, max(nq - 1, 0))
+    di_c = di.clamp(0, max(nd - 1, 0))
+    out_dtype = torch.float32 if accum == torch.float32 else accum
+    scores = torch.zeros(P, dtype=out_dtype, device=device)
+    am_dtype = torch.int16 if argmax_kind == 2 else torch.int32
+    argmax = torch.full((P, lq) if argmax_kind else (0,), -1, dtype=am_dtype, device=device)
+    if P == 0:
+        return scores, argmax
+    # Widest document: one sync, acceptable in the oracle/fallback only.
+    ld = int(d_len.clamp(min=0).max().item()) if nd else 0
+    ld = max(ld, 1)
+    qf = q.to(accum)
+    df = d.to(accum)
+    chunk = max(1, _GRID_BUDGET // max(1, lq * ld))
+    for s in range(0, P, chunk):
+        e = min(P, s + chunk)
+        qa, da = qi_c[s:e], di_c[s:e]
+        qrows, qvalid = _segments(q_start[qa], q_len[qa], q.shape[0], lq, q_mask)
+        drows, dvalid = _segments(d_start[da], d_len[da], d.shape[0], ld, d_mask)
+        qt = qf[qrows] if q.shape[0] else qf.new_zeros(qrows.shape + (q.shape[1],))
+        dt = df[drows] if d.shape[0] else df.new_zeros(drows.shape + (d.shape[1],))
+        sim = torch.einsum("pid,pjd->pij", qt, dt)
+        sim = sim.masked_fill(~dvalid[:, None, :], float("-inf"))
+        best, arg = sim.max(dim=2)
+        has_doc = dvalid.any(dim=1)[:, None]
+        best = torch.where(has_doc & qvalid, best, torch.zeros_like(best))
+        arg = torch.where(has_doc & qvalid, arg, torch.full_like(arg, -1))
+        sc = best.sum(dim=1)
+        invalid = bad[s:e] | (q_len[qa] < 0) | (d_len[da] < 0)
+        scores[s:e] = torch.where(invalid, torch.full_like(sc, float("nan")), sc).to(out_dtype)
+        if argmax_kind:
+            argmax[s:e] = arg.to(am_dtype)
+    return scores, argmax
+
+
+def backward(grad, q, q_start, q_len, d, d_start, d_len, pair_q, pair_d, argmax,
+             layout: int, q_ptr=None, q_pairs=None, d_ptr=None, d_pairs=None,
+             need_dq: bool = True, need_dd: bool = True,
+             accum: torch.dtype = torch.float32):
+    """Reference for ``ops.backward``: (dq, dd) from the saved argmax."""
+    device = q.device
+    nq, nd = q_start.numel(), d_start.numel()
+    qi, di = pair_ids(layout, nq, nd, pair_q, pair_d, device)
+    P, lq = argmax.shape[0], (argmax.shape[1] if argmax.dim() == 2 else 0)
+    dq = torch.zeros(q.shape, dtype=accum, device=device) if need_dq else q.new_empty(0)
+    dd = torch.zeros(d.shape, dtype=accum, device=device) if need_dd else d.new_empty(0)
+    if P and lq:
+        ok = (qi >= 0) & (qi < nq) & (di >= 0) & (di < nd)
+        qi_c, di_c = qi.clamp(0, max(nq - 1, 0)), di.clamp(0, max(nd - 1, 0))
+        ok = ok & (q_len[qi_c] >= 0) & (d_len[di_c] >= 0)
+        a = argmax.long()
+        ar = torch.arange(lq, device=device)
+        sel = ok[:, None] & (a >= 0) & (ar[None, :] < q_len[qi_c].long()[:, None])
+        qrow = (q_start[qi_c].long()[:, None] + ar[None, :])[sel]
+        drow = (d_start[di_c].long()[:, None] + a)[sel]
+        g = grad.to(accum)[:, None].expand(P, lq)[sel]
+        if need_dq:
+            dq.index_add_(0, qrow, g[:, None] * d.to(accum)[drow])
+        if need_dd:
+            dd.index_add_(0, drow, g[:, None] * q.to(accum)[qrow])
+    if accum == torch.float32:
+        dq = dq.to(q.dtype) if need_dq else dq
+        dd = dd.to(d.dtype) if need_dd else dd
+    return dq, dd
+
+
+# ----------------------------------------------------------------------------
+# User-level references (plain padded tensors), handy in tests and examples.
+# ----------------------------------------------------------------------------
+
+def maxsim_reference(Q, D, q_mask=None, d_mask=None, accum=torch.float64):
+    """Q [Nq, Lq, d] x D [Nd, Ld, d] -> [Nq, Nd], or D [Nq, K, Ld, d] -> [Nq, K].
+
+    Masks are boolean (True = real token). Computed in ``accum`` precision with
+    the full grid: for small inputs only.
+    """
+    Qf, Df = Q.to(accum), D.to(accum)
+    if D.dim() == 3:
+        sim = torch.einsum("qid,njd->qnij", Qf, Df)
+        dm = None if d_mask is None else d_mask[None, :, None, :]
+    else:
+        sim = torch.einsum("qid,qkjd->qkij", Qf, Df)
+        dm = None if d_mask is None else d_mask[:, :, None, :]
+    if dm is not None:
+        sim = sim.masked_fill(~dm, float("-inf"))
+    best = sim.max(dim=3).values if sim.shape[3] else sim.new_full(sim.shape[:3], float("-inf"))
+    best = torch.where(torch.isneginf(best), torch.zeros_like(best), best)
+    if q_mask is not None:
+        best = best * q_mask[:, None, :].to(accum)
+    return best.sum(dim=2)

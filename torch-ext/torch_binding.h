@@ -1,0 +1,83 @@
+// The op contract every backend implements (CPU, CUDA, MPS).
+//
+// All public layouts (padded candidates, contrastive, packed pairs, masks) are
+// lowered by the Python layer to one representation:
+//   q  [Tq, dim]  query token rows,    d  [Td, dim] document token rows
+//      (same float dtype: fp32 / fp16 / bf16; contiguous)
+//   q_start, q_len [Nq] int32 : query n owns rows q_start[n] .. q_start[n]+q_len[n]-1
+//   d_start, d_len [Nd] int32 : likewise for documents
+//   a length < 0 marks an invalid segment (bad user lengths/offsets detected
+//   on device): every pair touching it scores NaN.
+//   q_mask [Tq], d_mask [Td] optional bool: false = token ignored.
+//   layout (which (query, document) pairs are scored; P = number of pairs):
+//     0 CROSS   P = Nq*Nd, pair p = (p / Nd, p % Nd)
+//     1 GROUPED P = Nd (Nd % Nq == 0, K = Nd / Nq), pair p = (p / K, p)
+//     2 LIST    P = pair_q.numel(), pair p = (pair_q[p], pair_d[p]) int32;
+//               an id out of range scores NaN.
+//
+// score[p] = sum over valid query tokens i of max over valid doc tokens j of
+// <q_i, d_j>, accumulated in fp32. A query token with no valid doc token adds
+// 0. NaN in a product propagates to the score (as torch.max would).
+//
+// lq: width of the argmax output and an upper bound on every q_len the caller
+// guarantees (the Python layer marks q_len > lq invalid).
+// argmax_kind: 0 none (argmax is an empty int32 tensor), 1 int32 [P, lq],
+// 2 int16 [P, lq]. Entry = index of the winning token *within* the document
+// (0 .. d_len-1), lowest index on ties, -1 for padded/masked query tokens and
+// for tokens with no valid document token.
+// tf32: fp32 inputs may use TF32 tensor cores (CUDA only; default exact).
+#pragma once
+
+#include <torch/torch.h>
+
+#include <tuple>
+
+namespace maxsim {
+
+enum Layout : int64_t { kCross = 0, kGrouped = 1, kList = 2 };
+enum ArgmaxKind : int64_t { kNoArgmax = 0, kArgmaxI32 = 1, kArgmaxI16 = 2 };
+
+// Returns (scores [P] fp32, argmax).
+using ForwardFn = std::tuple<at::Tensor, at::Tensor>(
+    const at::Tensor& q, const at::Tensor& q_start, const at::Tensor& q_len,
+    const std::optional<at::Tensor>& q_mask, const at::Tensor& d,
+    const at::Tensor& d_start, const at::Tensor& d_len,
+    const std::optional<at::Tensor>& d_mask,
+    const std::optional<at::Tensor>& pair_q,
+    const std::optional<at::Tensor>& pair_d, int64_t layout, int64_t lq,
+    int64_t argmax_kind, bool tf32);
+
+// Backward from the saved argmax. grad [P] fp32. Returns (dq [Tq, dim],
+// dd [Td, dim]) in the input dtype, fp32-accumulated, each row written by
+// exactly one owner (deterministic). Rows no pair selects are zero. A gradient
+// not needed comes back as an empty tensor.
+// For LIST, q_ptr [Nq+1] / q_pairs [P] list the pairs of each query and
+// d_ptr [Nd+1] / d_pairs [P] the pairs of each document (CSR, stable order);
+// they are ignored for CROSS and GROUPED.
+using BackwardFn = std::tuple<at::Tensor, at::Tensor>(
+    const at::Tensor& grad, const at::Tensor& q, const at::Tensor& q_start,
+    const at::Tensor& q_len, const at::Tensor& d, const at::Tensor& d_start,
+    const at::Tensor& d_len, const std::optional<at::Tensor>& pair_q,
+    const std::optional<at::Tensor>& pair_d, const at::Tensor& argmax,
+    int64_t layout, const std::optional<at::Tensor>& q_ptr,
+    const std::optional<at::Tensor>& q_pairs,
+    const std::optional<at::Tensor>& d_ptr,
+    const std::optional<at::Tensor>& d_pairs, bool need_dq, bool need_dd);
+
+// kernel-builder defines one of CPU_KERNEL / CUDA_KERNEL / METAL_KERNEL per
+// build variant; the local builder (tools/build.py) also defines CPU_KERNEL
+// in the CUDA variant so CPU tensors keep a compiled path there.
+#if defined(CPU_KERNEL)
+ForwardFn forward_cpu;
+BackwardFn backward_cpu;
+#endif
+#if defined(CUDA_KERNEL)
+ForwardFn forward_cuda;
+BackwardFn backward_cuda;
+#endif
+#if defined(METAL_KERNEL)
+ForwardFn forward_mps;
+BackwardFn backward_mps;
+#endif
+
+}  // namespace maxsim
