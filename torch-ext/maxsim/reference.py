@@ -135,5 +135,5 @@ def maxsim_reference(Q, D, q_mask=None, d_mask=None, accum=torch.float64):
     best = sim.max(dim=3).values if sim.shape[3] else sim.new_full(sim.shape[:3], float("-inf"))
     best = torch.where(torch.isneginf(best), torch.zeros_like(best), best)
     if q_mask is not None:
-        best = best * q_mask[:, None, :].to(accum)
+        best = torch.where(q_mask[:, None, :], best, torch.zeros_like(best))
     return best.sum(dim=2)

@@ -1,0 +1,31 @@
+# maxsim maintainer recipes. `just --list` shows them.
+
+py := ".venv/bin/python"
+
+# Build the kernels-hub variant for this machine (cpu or cuda) into build/
+build backend="":
+    MAXSIM_BACKEND={{backend}} bash scripts/setup.sh
+
+# Run the whole test suite (sets itself up)
+test *args:
+    bash scripts/test.sh {{args}}
+
+# Build the CUDA variant and run the suite; meant for a GPU machine
+gpu-test *args:
+    MAXSIM_BACKEND=cuda bash scripts/test.sh {{args}}
+
+# Compile every CUDA source with nvcc for sm_80 and sm_90a (no GPU needed)
+cuda-compile-check:
+    MAXSIM_CUDA_ARCHS="8.0;9.0a" {{py}} tools/build.py --check-cuda-compile
+
+# Run example NN (01 quickstart, ...)
+example NN:
+    bash scripts/setup.sh && {{py}} examples/{{NN}}_*.py
+
+# Benchmarks: CPU vs einsum / maxsim-cpu, or the GPU matrix when a GPU is present
+bench:
+    bash scripts/setup.sh && {{py}} benchmarks/bench_cpu.py
+
+# Release build and upload with kernel-builder (needs Nix and Hub access)
+upload:
+    nix run .#build-and-upload

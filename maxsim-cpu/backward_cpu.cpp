@@ -1,0 +1,226 @@
+// CPU backward from the saved argmax (contract in torch_binding.h).
+//
+// Deterministic without atomics: every output row has one owner task that
+// sums its contributions in a fixed order. dq rows are owned by their query
+// (tasks = blocks of query rows, looping over the query's pairs); dd rows by
+// their document (tasks = chunks of document rows, scanning the argmax rows
+// of the document's pairs). Gradients accumulate in an fp32 buffer that is
+// cast to the input dtype at the end (the output itself when fp32).
+// Assumes segments of one side do not overlap, as the Python lowering makes.
+#include "tile_kernels.h"
+#include "torch_binding.h"
+
+namespace maxsim {
+namespace {
+using namespace cpu;
+
+constexpr int64_t kRowBlock = 8;   // query rows per dq task
+constexpr int64_t kMinChunk = 16;  // smallest document chunk per dd task
+
+inline void axpy(float* __restrict y, float a, const float* __restrict x, int64_t n) {
+  for (int64_t k = 0; k < n; ++k) y[k] += a * x[k];
+}
+template <class T>
+inline void axpy(float* __restrict y, float a, const T* __restrict x, int64_t n) {
+  for (int64_t k = 0; k < n; ++k) y[k] += a * to_f32(x[k]);
+}
+
+// Expands the per-item work counts into prefix offsets so that tasks can be
+// distributed evenly; returns the total.
+template <class F>
+int64_t prefix(std::vector<int64_t>& off, int64_t n, const F& count) {
+  off.assign(n + 1, 0);
+  for (int64_t i = 0; i < n; ++i) off[i + 1] = off[i] + count(i);
+  return off[n];
+}
+
+template <class T, class A>
+void backward_impl(const float* grad, const T* q, const T* d, int64_t Tq, int64_t Td, int64_t dim,
+                   const int32_t* qs, const int32_t* ql, int64_t Nq, const int32_t* ds,
+                   const int32_t* dl, int64_t Nd, const int32_t* pq, const int32_t* pd,
+                   const A* am, int64_t P, int64_t lq, int64_t layout, const int32_t* qptr,
+                   const int32_t* qpairs, const int32_t* dptr, const int32_t* dpairs, float* dq,
+                   float* dd) {
+  const int64_t K = (layout == kGrouped && Nq > 0) ? Nd / Nq : 0;
+  auto qid = [&](int64_t p) -> int64_t {
+    return layout == kCross ? p / Nd : layout == kGrouped ? p / K : pq[p];
+  };
+  auto did = [&](int64_t p) -> int64_t { return layout == kList ? pd[p] : p % Nd; };
+  // Rows of pair p's query / document that the forward read; -1: skip the pair.
+  auto pair_rows = [&](int64_t p, int64_t& nq, int64_t& nd) {
+    const int64_t n = qid(p), m = did(p);
+    nq = (n >= 0 && n < Nq) ? seg_rows(qs, ql, n, lq, Tq) : -1;
+    nd = (m >= 0 && m < Nd) ? seg_rows(ds, dl, m, kNoWidth, Td) : -1;
+    return nq >= 0 && nd >= 0;
+  };
+  // The pairs of query n / document m, in a fixed order.
+  auto q_pairs_of = [&](int64_t n, auto&& fn) {
+    if (layout == kCross)
+      for (int64_t m = 0; m < Nd; ++m) fn(n * Nd + m);
+    else if (layout == kGrouped)
+      for (int64_t k = 0; k < K; ++k) fn(n * K + k);
+    else
+      for (int64_t i = qptr[n]; i < qptr[n + 1]; ++i) fn(int64_t(qpairs[i]));
+  };
+  auto d_pairs_of = [&](int64_t m, auto&& fn) {
+    if (layout == kCross)
+      for (int64_t n = 0; n < Nq; ++n) fn(n * Nd + m);
+    else if (layout == kGrouped)
+      fn(m);
+    else
+      for (int64_t i = dptr[m]; i < dptr[m + 1]; ++i) fn(int64_t(dpairs[i]));
+  };
+  const int64_t nthreads = at::get_num_threads();
+
+  if (dq) {
+    std::vector<int64_t> off;
+    const int64_t ntask = prefix(off, Nq, [&](int64_t n) {
+      const int64_t r = seg_rows(qs, ql, n, lq, Tq);
+      return r > 0 ? (r + kRowBlock - 1) / kRowBlock : 0;
+    });
+    parallel_items(ntask, ntask / (8 * nthreads), [&](auto&& grab) {
+      int64_t b, e;
+      while (grab(b, e))
+        for (int64_t t = b; t < e; ++t) {
+          const int64_t n = std::upper_bound(off.begin(), off.end(), t) - off.begin() - 1;
+          const int64_t i0 = (t - off[n]) * kRowBlock;
+          const int64_t i1 = std::min(seg_rows(qs, ql, n, lq, Tq), i0 + kRowBlock);
+          float* out = dq + (qs[n] + i0) * dim;  // rows owned by this task
+          q_pairs_of(n, [&](int64_t p) {
+            int64_t nq, nd;
+            if (p < 0 || p >= P || qid(p) != n || !pair_rows(p, nq, nd)) return;
+            const T* drow = d + int64_t(ds[did(p)]) * dim;
+            for (int64_t i = i0; i < i1; ++i) {
+              const int64_t a = am[p * lq + i];
+              if (a >= 0 && a < nd) axpy(out + (i - i0) * dim, grad[p], drow + a * dim, dim);
+            }
+          });
+        }
+    });
+  }
+
+  if (dd) {
+    // Split a document only as far as parallelism needs: every chunk of it
+    // rescans the argmax rows of all its pairs.
+    const int64_t split = std::max<int64_t>(1, (4 * nthreads + Nd - 1) / std::max<int64_t>(Nd, 1));
+    std::vector<int64_t> off, csize(Nd);
+    const int64_t ntask = prefix(off, Nd, [&](int64_t m) {
+      const int64_t r = seg_rows(ds, dl, m, kNoWidth, Td);
+      if (r <= 0) return int64_t(0);
+      const int64_t c = std::min(split, (r + kMinChunk - 1) / kMinChunk);
+      csize[m] = (r + c - 1) / c;
+      return (r + csize[m] - 1) / csize[m];
+    });
+    parallel_items(ntask, ntask / (8 * nthreads), [&](auto&& grab) {
+      int64_t b, e;
+      while (grab(b, e))
+        for (int64_t t = b; t < e; ++t) {
+          const int64_t m = std::upper_bound(off.begin(), off.end(), t) - off.begin() - 1;
+          const int64_t j0 = (t - off[m]) * csize[m], j1 = j0 + csize[m];
+          float* out = dd + (ds[m] + j0) * dim;  // rows j0 .. j1-1 owned by this task
+          d_pairs_of(m, [&](int64_t p) {
+            int64_t nq, nd;
+            if (p < 0 || p >= P || did(p) != m || !pair_rows(p, nq, nd)) return;
+            const T* qrow = q + int64_t(qs[qid(p)]) * dim;
+            for (int64_t i = 0; i < nq; ++i) {
+              const int64_t a = am[p * lq + i];
+              if (a >= j0 && a < j1 && a < nd) axpy(out + (a - j0) * dim, grad[p], qrow + i * dim, dim);
+            }
+          });
+        }
+    });
+  }
+}
+
+inline void check_index(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kInt && t.dim() == 1 &&
+                  t.is_contiguous(),
+              "maxsim backward_cpu: ", name, " must be a contiguous 1-D int32 CPU tensor");
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> backward_cpu(
+    const at::Tensor& grad, const at::Tensor& q, const at::Tensor& q_start,
+    const at::Tensor& q_len, const at::Tensor& d, const at::Tensor& d_start,
+    const at::Tensor& d_len, const std::optional<at::Tensor>& pair_q,
+    const std::optional<at::Tensor>& pair_d, const at::Tensor& argmax, int64_t layout,
+    const std::optional<at::Tensor>& q_ptr, const std::optional<at::Tensor>& q_pairs,
+    const std::optional<at::Tensor>& d_ptr, const std::optional<at::Tensor>& d_pairs,
+    bool need_dq, bool need_dd) {
+  TORCH_CHECK(q.device().is_cpu() && d.device().is_cpu(), "maxsim backward_cpu: CPU tensors expected");
+  TORCH_CHECK(q.dim() == 2 && d.dim() == 2 && q.size(1) == d.size(1),
+              "maxsim backward_cpu: q and d must be [T, dim] with the same dim");
+  TORCH_CHECK(q.scalar_type() == d.scalar_type() &&
+                  (q.scalar_type() == at::kFloat || q.scalar_type() == at::kHalf ||
+                   q.scalar_type() == at::kBFloat16),
+              "maxsim backward_cpu: q and d must share dtype float32, float16 or bfloat16");
+  TORCH_CHECK(q.is_contiguous() && d.is_contiguous(), "maxsim backward_cpu: q, d must be contiguous");
+  check_index(q_start, "q_start"), check_index(q_len, "q_len");
+  check_index(d_start, "d_start"), check_index(d_len, "d_len");
+  TORCH_CHECK(q_start.numel() == q_len.numel() && d_start.numel() == d_len.numel(),
+              "maxsim backward_cpu: start/len size mismatch");
+  TORCH_CHECK(layout >= kCross && layout <= kList, "maxsim backward_cpu: bad layout ", layout);
+  TORCH_CHECK(argmax.device().is_cpu() && argmax.is_contiguous() &&
+                  (argmax.scalar_type() == at::kInt || argmax.scalar_type() == at::kShort) &&
+                  (argmax.dim() == 2 || argmax.numel() == 0),
+              "maxsim backward_cpu: argmax must be a contiguous int32/int16 [P, lq] CPU tensor");
+  const int64_t Nq = q_start.numel(), Nd = d_start.numel();
+  const int64_t P = argmax.dim() == 2 ? argmax.size(0) : 0;
+  const int64_t lq = argmax.dim() == 2 ? argmax.size(1) : 0;
+  TORCH_CHECK(grad.device().is_cpu() && grad.scalar_type() == at::kFloat && grad.dim() == 1 &&
+                  grad.is_contiguous() && (grad.numel() == P || P == 0),
+              "maxsim backward_cpu: grad must be a contiguous fp32 [P] CPU tensor");
+  int64_t expectP = 0;
+  if (layout == kCross) {
+    expectP = Nq * Nd;
+  } else if (layout == kGrouped) {
+    TORCH_CHECK(Nq > 0 ? Nd % Nq == 0 : Nd == 0, "maxsim backward_cpu: GROUPED needs Nd % Nq == 0");
+    expectP = Nd;
+  } else {
+    TORCH_CHECK(pair_q && pair_d && q_ptr && q_pairs && d_ptr && d_pairs,
+                "maxsim backward_cpu: LIST needs pair_q, pair_d and the CSR tensors");
+    for (const auto* t : {&*pair_q, &*pair_d, &*q_pairs, &*d_pairs, &*q_ptr, &*d_ptr})
+      check_index(*t, "LIST index");
+    TORCH_CHECK(pair_d->numel() == pair_q->numel() && q_pairs->numel() == pair_q->numel() &&
+                    d_pairs->numel() == pair_q->numel() && q_ptr->numel() == Nq + 1 &&
+                    d_ptr->numel() == Nd + 1,
+                "maxsim backward_cpu: LIST index size mismatch");
+    expectP = pair_q->numel();
+  }
+  TORCH_CHECK(P == 0 || P == expectP, "maxsim backward_cpu: argmax has ", P, " rows, expected ", expectP);
+
+  const bool f32 = q.scalar_type() == at::kFloat;
+  auto acc_opts = q.options().dtype(at::kFloat);
+  at::Tensor dq = need_dq ? at::zeros(q.sizes(), acc_opts) : q.new_empty({0});
+  at::Tensor dd = need_dd ? at::zeros(d.sizes(), acc_opts) : d.new_empty({0});
+  if (P > 0 && lq > 0 && (need_dq || need_dd)) {
+    const int32_t* pq = layout == kList ? pair_q->data_ptr<int32_t>() : nullptr;
+    const int32_t* pd = layout == kList ? pair_d->data_ptr<int32_t>() : nullptr;
+    const int32_t* qp = layout == kList ? q_ptr->data_ptr<int32_t>() : nullptr;
+    const int32_t* qpp = layout == kList ? q_pairs->data_ptr<int32_t>() : nullptr;
+    const int32_t* dp = layout == kList ? d_ptr->data_ptr<int32_t>() : nullptr;
+    const int32_t* dpp = layout == kList ? d_pairs->data_ptr<int32_t>() : nullptr;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "maxsim_backward_cpu", [&] {
+      auto go = [&](auto* am) {
+        backward_impl(grad.data_ptr<float>(), q.data_ptr<scalar_t>(), d.data_ptr<scalar_t>(),
+                      q.size(0), d.size(0), q.size(1), q_start.data_ptr<int32_t>(),
+                      q_len.data_ptr<int32_t>(), Nq, d_start.data_ptr<int32_t>(),
+                      d_len.data_ptr<int32_t>(), Nd, pq, pd, am, P, lq, layout, qp, qpp, dp, dpp,
+                      need_dq ? dq.data_ptr<float>() : nullptr,
+                      need_dd ? dd.data_ptr<float>() : nullptr);
+      };
+      if (argmax.scalar_type() == at::kShort)
+        go(argmax.data_ptr<int16_t>());
+      else
+        go(argmax.data_ptr<int32_t>());
+    });
+  }
+  if (!f32) {
+    if (need_dq) dq = dq.to(q.scalar_type());
+    if (need_dd) dd = dd.to(d.scalar_type());
+  }
+  return {dq, dd};
+}
+
+}  // namespace maxsim

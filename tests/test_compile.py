@@ -1,0 +1,109 @@
+"""torch.compile(fullgraph=True) over every public function (no graph breaks,
+so no host sync in the traced path), and CUDA-graph capture on GPUs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import assert_close, rand
+
+BACKENDS = ["aot_eager", "inductor"]
+
+
+def _inputs(device):
+    gen = torch.Generator().manual_seed(1)
+    Q = rand(2, 6, 16, device=device, gen=gen)
+    D = rand(2, 3, 9, 16, device=device, gen=gen)
+    qlen = torch.tensor([6, 3], device=device)
+    dlen = torch.tensor([[9, 1, 0], [4, 9, 2]], device=device)
+    docs = rand(20, 16, device=device, gen=gen)
+    off = torch.tensor([0, 5, 5, 20], device=device)
+    qoff = torch.tensor([0, 6, 9], device=device)
+    pq = torch.tensor([1, 0, 1], device=device)
+    pd = torch.tensor([2, 2, 0], device=device)
+    return Q, D, qlen, dlen, docs, off, qoff, pq, pd
+
+
+CALLS = {
+    "candidates": lambda ms, Q, D, ql, dl, docs, off, qoff, pq, pd: ms.score_candidates_padded(Q, D, ql, dl),
+    "candidates_argmax": lambda ms, Q, D, ql, dl, docs, off, qoff, pq, pd:
+        ms.score_candidates_padded_with_argmax(Q, D, ql, dl)[1].float().sum() +
+        ms.score_candidates_padded_with_argmax(Q, D, ql, dl)[0],
+    "contrastive": lambda ms, Q, D, ql, dl, docs, off, qoff, pq, pd: ms.score_contrastive(Q, docs, off, ql),
+    "contrastive_argmax": lambda ms, Q, D, ql, dl, docs, off, qoff, pq, pd:
+        ms.score_contrastive_with_argmax(Q, docs, off)[0],
+    "pairs": lambda ms, Q, D, ql, dl, docs, off, qoff, pq, pd:
+        ms.score_pairs_packed(Q.reshape(-1, 16)[:9], qoff, docs, off, pq, pd, max_query_length=6),
+    "pairs_argmax": lambda ms, Q, D, ql, dl, docs, off, qoff, pq, pd:
+        ms.score_pairs_packed_with_argmax(Q.reshape(-1, 16)[:9], qoff, docs, off, pq, pd,
+                                          max_query_length=6)[0],
+    "maxsim_cross": lambda ms, Q, D, ql, dl, docs, off, qoff, pq, pd: ms.maxsim(Q, D[0], normalize=True),
+    "maxsim_grouped": lambda ms, Q, D, ql, dl, docs, off, qoff, pq, pd: ms.maxsim(Q, D, d_mask=D[..., 0] > 0),
+}
+
+
+@pytest.mark.parametrize("name", list(CALLS))
+def test_compile_forward(ms, device, name):
+    args = _inputs(device)
+    fn = CALLS[name]
+    eager = fn(ms, *args)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: fn(ms, *a), fullgraph=True, backend="aot_eager")
+    assert_close(compiled(*args), eager, torch.float32)
+
+
+TRAIN = {
+    "candidates": lambda ms, Q, D, ql, dl, docs, off, qoff, pq, pd: ms.score_candidates_padded_train(Q, D, ql, dl),
+    "contrastive": lambda ms, Q, D, ql, dl, docs, off, qoff, pq, pd: ms.score_contrastive_train(Q, docs, off),
+    "pairs": lambda ms, Q, D, ql, dl, docs, off, qoff, pq, pd:
+        ms.score_pairs_packed_train(Q.reshape(-1, 16)[:9], qoff, docs, off, pq, pd, max_query_length=6),
+    "maxsim": lambda ms, Q, D, ql, dl, docs, off, qoff, pq, pd: ms.maxsim(Q, D),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", list(TRAIN))
+def test_compile_train(ms, device, name, backend):
+    if backend == "inductor" and name != "maxsim":
+        pytest.skip("inductor is exercised once (slow to compile on small CI machines)")
+    args = list(_inputs(device))
+    args[0].requires_grad_()
+    args[1].requires_grad_()
+    args[4].requires_grad_()
+    fn = TRAIN[name]
+
+    def step(*a):
+        s = fn(ms, *a)
+        return (s * torch.linspace(-1, 1, s.numel(), device=s.device).view_as(s)).sum()
+
+    eager = step(*args)
+    ge = torch.autograd.grad(eager, [args[0], args[1], args[4]], allow_unused=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    out = compiled(*args)
+    gc = torch.autograd.grad(out, [args[0], args[1], args[4]], allow_unused=True)
+    assert_close(out, eager, torch.float32)
+    for a, b in zip(gc, ge):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_capture(ms):
+    Q, D, ql, dl, docs, off, qoff, pq, pd = _inputs("cuda")
+    outs = {}
+    static = {}
+    for name, fn in CALLS.items():
+        static[name] = fn(ms, Q, D, ql, dl, docs, off, qoff, pq, pd)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for name, fn in CALLS.items():
+            outs[name] = fn(ms, Q, D, ql, dl, docs, off, qoff, pq, pd)
+    Q.copy_(rand(*Q.shape, device="cuda"))
+    g.replay()
+    torch.cuda.synchronize()
+    for name, fn in CALLS.items():
+        assert_close(outs[name], fn(ms, Q, D, ql, dl, docs, off, qoff, pq, pd), torch.float32)

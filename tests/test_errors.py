@@ -1,0 +1,126 @@
+"""Every bad input gets a Python exception whose message names the argument."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import rand
+
+
+def _padded(device, dtype=torch.float32):
+    return rand(2, 4, 8, dtype=dtype, device=device), rand(2, 3, 5, 8, dtype=dtype, device=device)
+
+
+def raises(exc, match, fn, *a, **k):
+    with pytest.raises(exc, match=match):
+        fn(*a, **k)
+
+
+def test_rank_errors(ms, device):
+    Q, D = _padded(device)
+    raises(ValueError, "queries", ms.score_candidates_padded, Q[0], D)
+    raises(ValueError, "documents", ms.score_candidates_padded, Q, D[0])
+    raises(ValueError, "documents", ms.score_contrastive, Q, D, torch.tensor([0, 2], device=device))
+    raises(ValueError, "document_offsets", ms.score_contrastive, Q, D[0, 0],
+           torch.tensor([[0, 2]], device=device))
+    raises(ValueError, "queries", ms.score_pairs_packed, Q, torch.tensor([0, 4], device=device), D[0, 0],
+           torch.tensor([0, 5], device=device), torch.tensor([0], device=device),
+           torch.tensor([0], device=device))
+    raises(ValueError, "D", ms.maxsim, Q, D[0, 0])
+    raises(ValueError, "Q", ms.maxsim, Q[0], D)
+
+
+def test_dim_mismatch(ms, device):
+    Q, D = _padded(device)
+    raises(ValueError, "dim mismatch", ms.score_candidates_padded, Q, D[..., :7])
+    raises(ValueError, "dim mismatch", ms.maxsim, Q, D[0, ..., :4])
+    raises(ValueError, "batch mismatch", ms.score_candidates_padded, Q[:1], D)
+    raises(ValueError, "Nq", ms.maxsim, Q[:1], D)
+
+
+def test_dtype_errors(ms, device):
+    Q, D = _padded(device)
+    raises(TypeError, "documents", ms.score_candidates_padded, Q, D.half())
+    raises(TypeError, "queries", ms.score_candidates_padded, Q.long(), D)
+    raises(TypeError, "float32, float16 or bfloat16", ms.maxsim, Q.double(), D[0])
+    raises(TypeError, "query_lengths", ms.score_candidates_padded, Q, D, torch.ones(2, device=device))
+    raises(TypeError, "doc_lengths", ms.score_candidates_padded, Q, D, None,
+           torch.ones(2, 3, device=device))
+    raises(TypeError, "document_offsets", ms.score_contrastive, Q, D[0, 0],
+           torch.tensor([0.0, 5.0], device=device))
+    raises(TypeError, "q_mask", ms.maxsim, Q, D[0], torch.ones(2, 4, device=device))
+    raises(TypeError, "queries", ms.score_contrastive, [1, 2], D[0, 0], torch.tensor([0, 5]))
+
+
+def test_shape_errors(ms, device):
+    Q, D = _padded(device)
+    raises(ValueError, "query_lengths", ms.score_candidates_padded, Q, D,
+           torch.ones(3, dtype=torch.long, device=device))
+    raises(ValueError, "doc_lengths", ms.score_candidates_padded, Q, D, None,
+           torch.ones(2, 2, dtype=torch.long, device=device))
+    raises(ValueError, "d_mask", ms.maxsim, Q, D[0], None, torch.ones(3, 4, dtype=torch.bool, device=device))
+    raises(ValueError, "pair_query_ids", ms.score_pairs_packed, Q[0], torch.tensor([0, 4], device=device),
+           D[0, 0], torch.tensor([0, 5], device=device), torch.tensor([0, 0], device=device),
+           torch.tensor([0], device=device))
+
+
+def test_validate_lengths(ms, device):
+    Q, D = _padded(device)
+    raises(ValueError, "query_lengths", ms.score_candidates_padded, Q, D,
+           torch.tensor([4, 5], device=device), validate=True)
+    raises(ValueError, "doc_lengths", ms.score_candidates_padded, Q, D, None,
+           torch.tensor([[1, 2, -1], [1, 1, 1]], device=device), validate=True)
+    raises(ValueError, "query_lengths", ms.score_contrastive, Q, D[0, 0], torch.tensor([0, 5], device=device),
+           torch.tensor([-1, 2], device=device), validate=True)
+    s = ms.score_candidates_padded(Q, D, torch.tensor([4, 1], device=device),
+                                   torch.tensor([[0, 5, 3], [1, 1, 1]], device=device), validate=True)
+    assert not torch.isnan(s).any()
+
+
+def test_validate_offsets(ms, device):
+    Q, D = _padded(device)
+    docs = D[0, 0]  # 5 tokens
+    for off, match in (([1, 5], r"\[0\] must be 0"), ([0, 4], "token count"), ([0, 3, 2, 5], "non-decreasing")):
+        raises(ValueError, match, ms.score_contrastive, Q, docs, torch.tensor(off, device=device), validate=True)
+    q = Q[0]
+    good_q, good_d = torch.tensor([0, 4], device=device), torch.tensor([0, 5], device=device)
+    ids = torch.tensor([0], device=device)
+    raises(ValueError, "query_offsets", ms.score_pairs_packed, q, torch.tensor([0, 3], device=device), docs,
+           good_d, ids, ids, validate=True)
+    raises(ValueError, "document_offsets", ms.score_pairs_packed, q, good_q, docs,
+           torch.tensor([0, 6], device=device), ids, ids, validate=True)
+    raises(ValueError, "pair_query_ids", ms.score_pairs_packed, q, good_q, docs, good_d,
+           torch.tensor([1], device=device), ids, validate=True)
+    raises(ValueError, "pair_document_ids", ms.score_pairs_packed, q, good_q, docs, good_d, ids,
+           torch.tensor([-1], device=device), validate=True)
+    raises(ValueError, "max_query_length", ms.score_pairs_packed, q, good_q, docs, good_d, ids, ids,
+           max_query_length=-1)
+
+
+def test_too_short_max_query_length_is_nan(ms, device):
+    q, d = rand(4, 8, device=device), rand(5, 8, device=device)
+    ids = torch.tensor([0], device=device)
+    s = ms.score_pairs_packed(q, torch.tensor([0, 4], device=device), d, torch.tensor([0, 5], device=device),
+                              ids, ids, max_query_length=3)
+    assert torch.isnan(s).all()
+
+
+def test_device_mismatch(ms):
+    if not torch.cuda.is_available():
+        # Meta tensors stand in for a second device on CPU-only machines.
+        Q, D = rand(2, 4, 8), torch.empty(2, 3, 5, 8, device="meta")
+    else:
+        Q, D = rand(2, 4, 8), rand(2, 3, 5, 8, device="cuda")
+    raises(ValueError, "documents is on", ms.score_candidates_padded, Q, D)
+    raises(ValueError, "D is on", ms.maxsim, Q, D[0])
+    raises(ValueError, "query_lengths is on", ms.score_candidates_padded, Q, Q.new_empty(2, 3, 5, 8),
+           torch.ones(2, dtype=torch.long, device=D.device))
+
+
+def test_train_without_argmax_is_a_clear_error(ms, device):
+    Q = rand(2, 4, 8, device=device).requires_grad_()
+    D = rand(3, 5, 8, device=device)
+    s = ms.score_contrastive(Q, D.reshape(-1, 8), torch.tensor([0, 5, 10, 15], device=device))
+    with pytest.raises(RuntimeError, match="_train"):
+        s.sum().backward()

@@ -1,0 +1,235 @@
+"""Forward scores and argmax of every public surface against an fp64 oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import assert_close, lengths_mask, rand, relerr
+
+SHAPES = [  # (n, K, Lq, Ld, dim)
+    (1, 1, 1, 1, 1),
+    (2, 3, 15, 17, 33),
+    (3, 2, 33, 15, 17),
+    (2, 4, 32, 130, 128),
+    (1, 2, 17, 1000, 64),
+]
+
+
+def _sims(Q, D):
+    """fp64 similarity grid of padded per-query candidates [B, K, Lq, Ld]."""
+    return torch.einsum("bid,bkjd->bkij", Q.double().cpu(), D.double().cpu())
+
+
+def _check_argmax(Q, D, argmax, qlen, dlen):
+    """The chosen token attains the row max (ties may pick any attaining index
+    only if equal in fp64; the kernel must pick the lowest)."""
+    sims = _sims(Q, D)
+    B, K, Lq, Ld = sims.shape
+    am = argmax.cpu().long()
+    qmask = lengths_mask(qlen.cpu(), Lq)  # [B, Lq]
+    dmask = lengths_mask(dlen.cpu(), Ld).view(B, K, Ld)
+    sims = sims.masked_fill(~dmask[:, :, None, :], float("-inf"))
+    best = sims.max(dim=3).values
+    has = dmask.any(dim=2)[:, :, None] & qmask[:, None, :]
+    assert torch.all(am[~has] == -1)
+    chosen = am.clamp(min=0)
+    got = torch.gather(sims, 3, chosen[..., None])[..., 0]
+    scale = best.abs().clamp_min(1.0)
+    assert torch.all(((got - best).abs() <= 1e-5 * scale)[has]), "argmax does not attain the max"
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_candidates_padded(ms, device, dtype, shape):
+    B, K, Lq, Ld, dim = shape
+    g = torch.Generator().manual_seed(B * 1000 + Ld)
+    Q = rand(B, Lq, dim, dtype=dtype, device=device, gen=g)
+    D = rand(B, K, Ld, dim, dtype=dtype, device=device, gen=g)
+    qlen = torch.randint(1, Lq + 1, (B,), generator=g).to(device)
+    dlen = torch.randint(0, Ld + 1, (B, K), generator=g).to(device)
+    ref = ms.maxsim_reference(Q, D, lengths_mask(qlen, Lq), lengths_mask(dlen, Ld).view(B, K, Ld))
+    out = ms.score_candidates_padded(Q, D, qlen, dlen)
+    assert out.dtype == torch.float32 and out.shape == (B, K) and out.device.type == device
+    assert_close(out, ref, dtype)
+    s2, am = ms.score_candidates_padded_with_argmax(Q, D, qlen.long(), dlen.int())
+    assert am.dtype == torch.int32 and am.shape == (B, K, Lq)
+    assert_close(s2, ref, dtype)
+    _check_argmax(Q, D, am, qlen, dlen)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_contrastive(ms, device, dtype, shape):
+    Nq, Nb, Lq, Ld, dim = shape
+    g = torch.Generator().manual_seed(7 + Lq)
+    Q = rand(Nq, Lq, dim, dtype=dtype, device=device, gen=g)
+    lens = torch.randint(0, Ld + 1, (Nb,), generator=g)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
+    docs = rand(int(offsets[-1]), dim, dtype=dtype, device=device, gen=g)
+    qlen = torch.randint(1, Lq + 1, (Nq,), generator=g)
+    # padded copy for the oracle
+    Dp = torch.zeros(Nb, Ld, dim, dtype=dtype)
+    for i in range(Nb):
+        Dp[i, : lens[i]] = docs[offsets[i]: offsets[i + 1]].cpu()
+    ref = ms.maxsim_reference(Q.cpu(), Dp, lengths_mask(qlen, Lq), lengths_mask(lens, Ld))
+    out = ms.score_contrastive(Q, docs, offsets.to(device), qlen.to(device))
+    assert out.shape == (Nq, Nb)
+    assert_close(out, ref, dtype)
+    out2 = ms.score_contrastive(Q, docs, offsets.int().to(device))
+    ref2 = ms.maxsim_reference(Q.cpu(), Dp, None, lengths_mask(lens, Ld))
+    assert_close(out2, ref2, dtype)
+    s3, am = ms.score_contrastive_with_argmax(Q, docs, offsets.to(device), qlen.to(device))
+    assert am.shape == (Nq, Nb, Lq)
+    assert_close(s3, ref, dtype)
+    Qe = Q.cpu()[:, None].expand(Nq, Nb, Lq, dim)
+    _check_argmax(Qe.reshape(Nq * Nb, Lq, dim),
+                  Dp[None].expand(Nq, Nb, Ld, dim).reshape(Nq * Nb, 1, Ld, dim),
+                  am.reshape(Nq * Nb, 1, Lq), qlen.repeat_interleave(Nb), lens.repeat(Nq))
+
+
+def _packed(ms, device, dtype, nq, nd, Lq, Ld, dim, g):
+    qlens = torch.randint(0, Lq + 1, (nq,), generator=g)
+    dlens = torch.randint(0, Ld + 1, (nd,), generator=g)
+    qoff = torch.cat([torch.zeros(1, dtype=torch.long), qlens.cumsum(0)])
+    doff = torch.cat([torch.zeros(1, dtype=torch.long), dlens.cumsum(0)])
+    q = rand(int(qoff[-1]), dim, dtype=dtype, device=device, gen=g)
+    d = rand(int(doff[-1]), dim, dtype=dtype, device=device, gen=g)
+    return q, d, qlens, dlens, qoff, doff
+
+
+@pytest.mark.parametrize("shape", [(3, 4, 17, 33, 15), (1, 5, 32, 300, 128), (5, 2, 1, 1, 1)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_pairs_packed(ms, device, dtype, shape):
+    nq, nd, Lq, Ld, dim = shape
+    g = torch.Generator().manual_seed(nq * 31 + Ld)
+    q, d, qlens, dlens, qoff, doff = _packed(ms, device, dtype, nq, nd, Lq, Ld, dim, g)
+    P = 2 * nq * nd + 1
+    pq = torch.randint(0, nq, (P,), generator=g)
+    pd = torch.randint(0, nd, (P,), generator=g)
+    Qp = torch.zeros(nq, Lq, dim, dtype=dtype)
+    Dp = torch.zeros(nd, Ld, dim, dtype=dtype)
+    for i in range(nq):
+        Qp[i, : qlens[i]] = q[qoff[i]: qoff[i + 1]].cpu()
+    for i in range(nd):
+        Dp[i, : dlens[i]] = d[doff[i]: doff[i + 1]].cpu()
+    full = ms.maxsim_reference(Qp, Dp, lengths_mask(qlens, Lq), lengths_mask(dlens, Ld))
+    ref = full[pq, pd]
+    out = ms.score_pairs_packed(q, qoff.to(device), d, doff.to(device), pq.to(device), pd.int().to(device))
+    assert out.shape == (P,)
+    assert_close(out, ref, dtype)
+    s2, am = ms.score_pairs_packed_with_argmax(q, qoff.to(device), d, doff.to(device), pq.to(device),
+                                               pd.to(device), max_query_length=Lq)
+    assert am.shape == (P, Lq)
+    assert_close(s2, ref, dtype)
+    _check_argmax(Qp[pq], Dp[pd][:, None], am[:, None], qlens[pq], dlens[pd][:, None])
+
+
+@pytest.mark.parametrize("layout", ["cross", "grouped"])
+def test_maxsim_masks(ms, device, dtype, layout):
+    g = torch.Generator().manual_seed(11)
+    Q = rand(3, 19, 40, dtype=dtype, device=device, gen=g)
+    D = rand(*((4,) if layout == "cross" else (3, 4)), 23, 40, dtype=dtype, device=device, gen=g)
+    qm = torch.rand(3, 19, generator=g) > 0.3
+    dm = torch.rand(D.shape[:-1], generator=g) > 0.5  # holes, not prefixes
+    dm.view(-1, 23)[0] = False  # a document with no valid token scores 0
+    qm, dm = qm.to(device), dm.to(device)
+    ref = ms.maxsim_reference(Q, D, qm, dm)
+    assert_close(ms.maxsim(Q, D, qm, dm), ref, dtype)
+    assert_close(ms.maxsim(Q, D), ms.maxsim_reference(Q, D), dtype)
+    Qn = torch.nn.functional.normalize(Q.double() * 3, dim=-1)
+    Dn = torch.nn.functional.normalize(D.double() * 2, dim=-1)
+    out = ms.maxsim((Q.float() * 3).to(dtype), (D.float() * 2).to(dtype), qm, dm, normalize=True)
+    assert relerr(out, ms.maxsim_reference(Qn, Dn, qm, dm)) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_ties_pick_lowest_index(ms, device, dtype):
+    d = rand(1, 8, dtype=dtype, device=device)
+    docs = torch.cat([rand(3, 8, dtype=dtype, device=device) * 0.01, d, d, d]).contiguous()
+    Q = d.view(1, 1, 8).repeat(1, 5, 1)
+    s, am = ms.score_contrastive_with_argmax(Q, docs, torch.tensor([0, 6], device=device))
+    assert torch.all(am == 3)
+
+
+def test_nan_propagates(ms, device, dtype):
+    Q = rand(2, 4, 16, dtype=dtype, device=device)
+    D = rand(3, 5, 16, dtype=dtype, device=device)
+    D[1, 2, 3] = float("nan")
+    s = ms.maxsim(Q, D)
+    assert torch.isnan(s[:, 1]).all()
+    assert not torch.isnan(s[:, [0, 2]]).any()
+
+
+def test_masked_nan_token_is_ignored(ms, device, dtype):
+    Q = rand(2, 4, 16, dtype=dtype, device=device)
+    D = rand(3, 5, 16, dtype=dtype, device=device)
+    D[1, 4] = float("nan")
+    dm = torch.ones(3, 5, dtype=torch.bool, device=device)
+    dm[1, 4] = False
+    s = ms.maxsim(Q, D, d_mask=dm)
+    assert_close(s, ms.maxsim_reference(Q, D[:, :4]), dtype)
+
+
+def test_empty_batches(ms, device):
+    Q = rand(0, 4, 8, device=device)
+    D = rand(0, 3, 5, 8, device=device)
+    assert ms.score_candidates_padded(Q, D).shape == (0, 3)
+    assert ms.score_contrastive(rand(2, 4, 8, device=device), rand(0, 8, device=device),
+                                torch.zeros(1, dtype=torch.long, device=device)).shape == (2, 0)
+    s = ms.score_pairs_packed(rand(3, 8, device=device), torch.tensor([0, 3], device=device),
+                              rand(2, 8, device=device), torch.tensor([0, 2], device=device),
+                              torch.zeros(0, dtype=torch.long, device=device),
+                              torch.zeros(0, dtype=torch.long, device=device))
+    assert s.shape == (0,)
+    assert ms.maxsim(rand(2, 3, 8, device=device), rand(0, 5, 8, device=device)).shape == (2, 0)
+
+
+def test_empty_documents_score_zero(ms, device, dtype):
+    Q = rand(2, 3, 8, dtype=dtype, device=device)
+    docs = rand(4, 8, dtype=dtype, device=device)
+    off = torch.tensor([0, 0, 4, 4], device=device)
+    s, am = ms.score_contrastive_with_argmax(Q, docs, off)
+    assert torch.all(s[:, [0, 2]] == 0) and torch.all(am[:, [0, 2]] == -1)
+    assert torch.all(s[:, 1] != 0)
+
+
+def test_non_contiguous_inputs(ms, device, dtype):
+    Qb = rand(3, 10, 64, dtype=dtype, device=device)
+    Db = rand(5, 2, 12, 64, dtype=dtype, device=device)
+    Q = Qb[:, ::2, :32]  # strided views
+    D = Db.transpose(0, 1)[..., 32:]
+    ref = ms.maxsim_reference(Q, D)
+    assert_close(ms.maxsim(Q, D), ref, dtype)
+    Dg = Db[:3]
+    assert_close(ms.score_candidates_padded(Qb[:, ::2], Dg[:, :, ::3]),
+                 ms.maxsim_reference(Qb[:, ::2], Dg[:, :, ::3]), dtype)
+
+
+def test_large_shapes(ms, device):
+    # Lq and Ld well past one tile; dim past 1000.
+    g = torch.Generator().manual_seed(5)
+    Q = rand(1, 300, 1030, device=device, gen=g)
+    D = rand(2, 1100, 1030, device=device, gen=g)
+    assert_close(ms.maxsim(Q, D), ms.maxsim_reference(Q, D), torch.float32)
+
+
+def test_invalid_lengths_give_nan_without_validate(ms, device):
+    Q = rand(2, 4, 8, device=device)
+    D = rand(2, 3, 5, 8, device=device)
+    s = ms.score_candidates_padded(Q, D, torch.tensor([4, 9], device=device),
+                                   torch.tensor([[5, 5, -1], [1, 2, 3]], device=device))
+    assert torch.isnan(s[0, 2]) and torch.isnan(s[1]).all()
+    assert not torch.isnan(s[0, :2]).any()
+    off_bad = torch.tensor([0, 3, 2], device=device)  # decreasing
+    s = ms.score_contrastive(Q, rand(2, 8, device=device), off_bad)
+    assert torch.isnan(s).all()
+    s = ms.score_pairs_packed(rand(3, 8, device=device), torch.tensor([0, 3], device=device),
+                              rand(2, 8, device=device), torch.tensor([0, 2], device=device),
+                              torch.tensor([0, 0], device=device), torch.tensor([0, 5], device=device))
+    assert not torch.isnan(s[0]) and torch.isnan(s[1])
+
+
+def test_tf32_option(ms, device):
+    Q = rand(2, 33, 128, device=device)
+    D = rand(5, 70, 128, device=device)
+    ref = ms.maxsim_reference(Q, D)
+    out = ms.score_contrastive(Q, D.reshape(-1, 128), torch.arange(0, 351, 70, device=device), tf32=True)
+    assert relerr(out, ref) < 2e-3

@@ -1,0 +1,135 @@
+"""Gradients of the _train variants and maxsim() against fp64 autograd."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import lengths_mask, rand, relerr
+
+GRAD_TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 2e-3}
+
+
+def _ref_grads(ms, Q, D, qmask, dmask, g):
+    Qr = Q.detach().double().cpu().requires_grad_()
+    Dr = D.detach().double().cpu().requires_grad_()
+    s = ms.maxsim_reference(Qr, Dr, None if qmask is None else qmask.cpu(),
+                            None if dmask is None else dmask.cpu())
+    (s * g.double().cpu()).sum().backward()
+    return s.detach(), Qr.grad, Dr.grad
+
+
+def _cmp(out, ref, dtype):
+    assert out.dtype == dtype
+    err = relerr(out, ref)
+    assert err <= GRAD_TOL[dtype], f"grad relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 15, 17, 33), (3, 2, 32, 80, 128), (1, 1, 1, 1, 1)])
+def test_candidates_train(ms, device, dtype, shape):
+    B, K, Lq, Ld, dim = shape
+    gen = torch.Generator().manual_seed(3)
+    Q = rand(B, Lq, dim, dtype=dtype, device=device, gen=gen).requires_grad_()
+    D = rand(B, K, Ld, dim, dtype=dtype, device=device, gen=gen).requires_grad_()
+    qlen = torch.randint(1, Lq + 1, (B,), generator=gen)
+    dlen = torch.randint(0, Ld + 1, (B, K), generator=gen)
+    g = torch.randn(B, K, generator=gen)
+    s = ms.score_candidates_padded_train(Q, D, qlen.to(device), dlen.to(device))
+    (s * g.to(device)).sum().backward()
+    qm, dm = lengths_mask(qlen, Lq), lengths_mask(dlen, Ld).view(B, K, Ld)
+    sr, gq, gd = _ref_grads(ms, Q, D, qm, dm, g)
+    assert relerr(s.detach(), sr) < 1e-5
+    _cmp(Q.grad, gq, dtype)
+    _cmp(D.grad, gd, dtype)
+    # padding gets exactly zero gradient
+    assert torch.all(Q.grad.cpu()[~qm] == 0)
+    assert torch.all(D.grad.cpu()[~dm] == 0)
+
+
+def test_contrastive_train(ms, device, dtype):
+    gen = torch.Generator().manual_seed(4)
+    Nq, Nb, Lq, Ld, dim = 4, 5, 9, 21, 48
+    Q = rand(Nq, Lq, dim, dtype=dtype, device=device, gen=gen).requires_grad_()
+    lens = torch.randint(1, Ld + 1, (Nb,), generator=gen)
+    off = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
+    docs = rand(int(off[-1]), dim, dtype=dtype, device=device, gen=gen).requires_grad_()
+    g = torch.randn(Nq, Nb, generator=gen)
+    s = ms.score_contrastive_train(Q, docs, off.to(device))
+    (s * g.to(device)).sum().backward()
+    Dp = torch.zeros(Nb, Ld, dim, dtype=torch.float64)
+    for i in range(Nb):
+        Dp[i, : lens[i]] = docs.detach()[off[i]: off[i + 1]].double().cpu()
+    Dp.requires_grad_()
+    Qr = Q.detach().double().cpu().requires_grad_()
+    sr = ms.maxsim_reference(Qr, Dp, None, lengths_mask(lens, Ld))
+    (sr * g.double()).sum().backward()
+    _cmp(Q.grad, Qr.grad, dtype)
+    gd = torch.cat([Dp.grad[i, : lens[i]] for i in range(Nb)])
+    _cmp(docs.grad, gd, dtype)
+
+
+def test_pairs_train(ms, device, dtype):
+    gen = torch.Generator().manual_seed(5)
+    nq, nd, Lq, Ld, dim = 3, 4, 7, 13, 24
+    qlens = torch.randint(1, Lq + 1, (nq,), generator=gen)
+    dlens = torch.randint(1, Ld + 1, (nd,), generator=gen)
+    qoff = torch.cat([torch.zeros(1, dtype=torch.long), qlens.cumsum(0)])
+    doff = torch.cat([torch.zeros(1, dtype=torch.long), dlens.cumsum(0)])
+    q = rand(int(qoff[-1]), dim, dtype=dtype, device=device, gen=gen).requires_grad_()
+    d = rand(int(doff[-1]), dim, dtype=dtype, device=device, gen=gen).requires_grad_()
+    pq = torch.tensor([2, 0, 1, 2, 0, 2])
+    pd = torch.tensor([3, 3, 0, 1, 0, 3])
+    g = torch.randn(6, generator=gen)
+    s = ms.score_pairs_packed_train(q, qoff.to(device), d, doff.to(device), pq.to(device), pd.to(device))
+    (s * g.to(device)).sum().backward()
+    qr = q.detach().double().cpu().requires_grad_()
+    dr = d.detach().double().cpu().requires_grad_()
+    tot = 0
+    for p in range(6):
+        qs = qr[qoff[pq[p]]: qoff[pq[p] + 1]]
+        ds = dr[doff[pd[p]]: doff[pd[p] + 1]]
+        tot = tot + g[p].double() * (qs @ ds.T).max(dim=1).values.sum()
+    tot.backward()
+    _cmp(q.grad, qr.grad, dtype)
+    _cmp(d.grad, dr.grad, dtype)
+
+
+def test_maxsim_autograd_masks_and_normalize(ms, device, dtype):
+    gen = torch.Generator().manual_seed(6)
+    Q = (rand(3, 11, 32, dtype=torch.float64, gen=gen) * 2).to(dtype).to(device).requires_grad_()
+    D = (rand(4, 14, 32, dtype=torch.float64, gen=gen) * 3).to(dtype).to(device).requires_grad_()
+    qm = (torch.rand(3, 11, generator=gen) > 0.2).to(device)
+    dm = (torch.rand(4, 14, generator=gen) > 0.4).to(device)
+    g = torch.randn(3, 4, generator=gen)
+    for normalize in (False, True):
+        Q.grad = D.grad = None
+        s = ms.maxsim(Q, D, qm, dm, normalize=normalize)
+        (s * g.to(device)).sum().backward()
+        Qr = Q.detach().double().cpu().requires_grad_()
+        Dr = D.detach().double().cpu().requires_grad_()
+        Qn = torch.nn.functional.normalize(Qr, dim=-1) if normalize else Qr
+        Dn = torch.nn.functional.normalize(Dr, dim=-1) if normalize else Dr
+        (ms.maxsim_reference(Qn, Dn, qm.cpu(), dm.cpu()) * g.double()).sum().backward()
+        tol = 1 if not normalize else 5  # normalisation in the input dtype first
+        assert relerr(Q.grad, Qr.grad) <= GRAD_TOL[dtype] * tol
+        assert relerr(D.grad, Dr.grad) <= GRAD_TOL[dtype] * tol
+
+
+def test_only_needed_grads(ms, device):
+    Q = rand(2, 5, 16, device=device).requires_grad_()
+    D = rand(2, 3, 7, 16, device=device)
+    ms.score_candidates_padded_train(Q, D).sum().backward()
+    assert Q.grad is not None and D.grad is None
+
+
+def test_backward_is_deterministic(ms, device, dtype):
+    gen = torch.Generator().manual_seed(9)
+    Q = rand(8, 32, 64, dtype=dtype, device=device, gen=gen).requires_grad_()
+    D = rand(8, 40, 64, dtype=dtype, device=device, gen=gen).requires_grad_()
+    g = torch.randn(8, 8, generator=gen).to(device)
+    grads = []
+    for _ in range(2):
+        Q.grad = D.grad = None
+        (ms.maxsim(Q, D) * g).sum().backward()
+        grads.append((Q.grad.clone(), D.grad.clone()))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])

@@ -1,0 +1,268 @@
+#!/usr/bin/env python3
+"""Build one kernels-hub variant of maxsim without Nix.
+
+Compiles torch-ext plus one backend with torch's C++ extension tooling and
+writes ``build/<variant>/`` the way kernel-builder lays out a build variant
+(``__init__.py``, ``_ops.py``, ``_<id>.abi3.so``, a compatibility ``maxsim/``
+folder and ``metadata.json`` with a digest), so that
+``kernels.get_local_kernel(Path(repo), ...)`` and ``get_kernel`` with
+``LOCAL_KERNELS`` load it.
+
+    python tools/build.py --backend cpu       # CPU variant
+    python tools/build.py --backend cuda      # CUDA variant (needs nvcc)
+    python tools/build.py --check-cuda-compile  # nvcc syntax check, no GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+NAME = "maxsim"
+
+REGISTRATION_H = r"""#pragma once
+#include <Python.h>
+#define _CONCAT(A, B) A##B
+#define CONCAT(A, B) _CONCAT(A, B)
+#define _STRINGIFY(A) #A
+#define STRINGIFY(A) _STRINGIFY(A)
+#define TORCH_LIBRARY_EXPAND(NAME, MODULE) TORCH_LIBRARY(NAME, MODULE)
+#define TORCH_LIBRARY_IMPL_EXPAND(NAME, DEVICE, MODULE) TORCH_LIBRARY_IMPL(NAME, DEVICE, MODULE)
+#define REGISTER_EXTENSION(NAME)                                              \
+  PyMODINIT_FUNC CONCAT(PyInit_, NAME)() {                                    \
+    static struct PyModuleDef module = {PyModuleDef_HEAD_INIT,                \
+                                        STRINGIFY(NAME), nullptr, 0, nullptr}; \
+    return PyModule_Create(&module);                                          \
+  }
+"""
+
+OPS_PY = '''import torch
+from . import {ext}
+ops = torch.ops.{ext}
+
+
+def add_op_namespace_prefix(op_name: str) -> str:
+    return "{ext}::" + op_name
+'''
+
+COMPAT_INIT = '''# Compatibility package: re-exports the variant's top-level module.
+import importlib.util
+import sys
+from pathlib import Path
+
+_root = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location(
+    "{ext}", _root / "__init__.py", submodule_search_locations=[str(_root)]
+)
+if "{ext}" in sys.modules:
+    _mod = sys.modules["{ext}"]
+else:
+    _mod = importlib.util.module_from_spec(_spec)
+    sys.modules["{ext}"] = _mod
+    _spec.loader.exec_module(_mod)
+globals().update({{k: v for k, v in vars(_mod).items() if not k.startswith("__")}})
+'''
+
+
+def build_toml() -> dict:
+    import tomllib
+
+    with open(ROOT / "build.toml", "rb") as f:
+        return tomllib.load(f)
+
+
+def sources(cfg: dict, backend: str) -> list[Path]:
+    srcs = [ROOT / s for s in cfg["torch"]["src"] if s.endswith((".cpp", ".cu", ".mm"))]
+    for kernel in cfg.get("kernel", {}).values():
+        # The CUDA variant also carries the CPU kernels, so CPU tensors keep a
+        # compiled path in a GPU install.
+        if kernel["backend"] == backend or (backend == "cuda" and kernel["backend"] == "cpu"):
+            srcs += [ROOT / s for s in kernel["src"] if s.endswith((".cpp", ".cu", ".mm"))]
+    return srcs
+
+
+def all_files(cfg: dict, backend: str) -> list[Path]:
+    files = [ROOT / s for s in cfg["torch"]["src"]]
+    for kernel in cfg.get("kernel", {}).values():
+        if kernel["backend"] == backend or (backend == "cuda" and kernel["backend"] == "cpu"):
+            files += [ROOT / s for s in kernel["src"]]
+    return files
+
+
+def ext_id(files: list[Path], backend: str) -> str:
+    h = hashlib.sha256(backend.encode())
+    for f in sorted(files):
+        h.update(f.relative_to(ROOT).as_posix().encode())
+        h.update(f.read_bytes())
+    return f"_{NAME}_{h.hexdigest()[:10]}"
+
+
+def variant_name(backend: str) -> str:
+    import torch
+
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    arch = platform.machine()
+    osname = "linux" if sys.platform.startswith("linux") else ("darwin" if sys.platform == "darwin" else sys.platform)
+    if backend == "cpu":
+        tag = "cpu"
+    elif backend == "cuda":
+        tag = "cu" + torch.version.cuda.replace(".", "")[:3]
+    else:
+        tag = backend
+    return f"torch{major}{minor}-cxx11-{tag}-{arch}-{osname}"
+
+
+def cuda_archs() -> list[str]:
+    env = os.environ.get("MAXSIM_CUDA_ARCHS")
+    if env:
+        return env.split(";")
+    import torch
+
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return [f"{major}.{minor}{'a' if major == 9 else ''}"]
+    return ["8.0", "9.0a"]
+
+
+def gencode(archs: list[str]) -> list[str]:
+    flags = []
+    for a in archs:
+        ptx = a.endswith("+PTX")
+        a = a.removesuffix("+PTX")
+        num = a.replace(".", "")
+        flags.append(f"-gencode=arch=compute_{num},code=sm_{num}")
+        if ptx:
+            flags.append(f"-gencode=arch=compute_{num},code=compute_{num}")
+    return flags
+
+
+def digest(variant: Path) -> dict:
+    files = {}
+    for p in sorted(variant.rglob("*")):
+        if p.is_file() and p.name != "metadata.json" and "__pycache__" not in p.parts:
+            files[p.relative_to(variant).as_posix()] = base64.b64encode(
+                hashlib.sha256(p.read_bytes()).digest()
+            ).decode()
+    return {"algorithm": "sha256", "files": files}
+
+
+def build(backend: str, out: Path, verbose: bool) -> Path:
+    import torch
+    from torch.utils import cpp_extension
+
+    cfg = build_toml()
+    files = all_files(cfg, backend)
+    ext = ext_id(files, backend)
+    variant = out / variant_name(backend)
+    gen = Path(tempfile.mkdtemp(prefix="maxsim-gen-"))
+    (gen / "registration.h").write_text(REGISTRATION_H)
+    cache = ROOT / ".cache" / "build" / f"{backend}-{ext}"
+    cache.mkdir(parents=True, exist_ok=True)
+
+    include = [str(gen), str(ROOT / "torch-ext")] + sorted({str(f.parent) for f in files})
+    cflags = ["-O3", "-std=c++17", "-DCPU_KERNEL", "-fopenmp"]
+    if os.environ.get("MAXSIM_NATIVE", "1") != "0":
+        cflags.append("-march=native")
+    cuda_flags = []
+    archs = None
+    if backend == "cuda":
+        cflags.append("-DCUDA_KERNEL")
+        archs = cuda_archs()
+        cuda_flags = ["-O3", "-std=c++17", "-DCUDA_KERNEL", "-lineinfo", "--expt-relaxed-constexpr"] + gencode(archs)
+        cutlass = os.environ.get("CUTLASS_INCLUDE")
+        if cutlass:
+            include.append(cutlass)
+    os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 2))
+    cpp_extension.load(
+        name=ext,
+        sources=[str(s) for s in sources(cfg, backend)],
+        extra_include_paths=include,
+        extra_cflags=cflags,
+        extra_cuda_cflags=cuda_flags,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(cache),
+        is_python_module=False,
+        verbose=verbose,
+        with_cuda=backend == "cuda",
+    )
+    so = cache / f"{ext}.so"
+    shutil.rmtree(gen, ignore_errors=True)
+
+    if variant.exists():
+        shutil.rmtree(variant)
+    variant.mkdir(parents=True)
+    pkg = ROOT / "torch-ext" / NAME
+    for p in pkg.rglob("*"):
+        if p.is_file() and "__pycache__" not in p.parts:
+            dst = variant / p.relative_to(pkg)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(p, dst)
+    shutil.copy2(so, variant / f"{ext}.abi3.so")
+    (variant / "_ops.py").write_text(OPS_PY.format(ext=ext))
+    (variant / NAME).mkdir()
+    (variant / NAME / "__init__.py").write_text(COMPAT_INIT.format(ext=ext))
+    meta = {
+        "id": ext,
+        "name": NAME,
+        "version": cfg["general"].get("version", 1),
+        "license": cfg["general"].get("license", "Apache-2.0"),
+        "backend": {"type": backend} | ({"archs": archs} if archs else {}),
+        "python-depends": [],
+    }
+    meta["digest"] = digest(variant)
+    (variant / "metadata.json").write_text(json.dumps(meta, indent=2) + "\n")
+    print(f"built {variant.relative_to(ROOT) if variant.is_relative_to(ROOT) else variant} ({ext})")
+    return variant
+
+
+def check_cuda_compile(archs: list[str]) -> None:
+    """Compile every CUDA source with nvcc (device code only, no GPU needed)."""
+    from torch.utils import cpp_extension
+
+    cfg = build_toml()
+    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    inc = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{ROOT / 'torch-ext'}"]
+    gen = Path(tempfile.mkdtemp(prefix="maxsim-gen-"))
+    (gen / "registration.h").write_text(REGISTRATION_H)
+    inc.append(f"-I{gen}")
+    cutlass = os.environ.get("CUTLASS_INCLUDE")
+    if cutlass:
+        inc.append(f"-I{cutlass}")
+    cus = [ROOT / s for k in cfg.get("kernel", {}).values() if k["backend"] == "cuda" for s in k["src"] if s.endswith(".cu")]
+    for arch in archs:
+        for cu in cus:
+            cmd = [nvcc, "-std=c++17", "-O3", "-DCUDA_KERNEL", "--expt-relaxed-constexpr", "-Xptxas", "-v",
+                   *gencode([arch]), *inc, f"-I{cu.parent}", "-c", str(cu), "-o", os.devnull]
+            print(" ".join(["nvcc", arch, cu.relative_to(ROOT).as_posix()]), flush=True)
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode:
+                sys.stderr.write(r.stdout + r.stderr)
+                raise SystemExit(f"nvcc failed on {cu} for {arch}")
+    shutil.rmtree(gen, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--backend", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--out", default=str(ROOT / "build"))
+    ap.add_argument("--verbose", action="store_true")
+    ap.add_argument("--check-cuda-compile", action="store_true")
+    args = ap.parse_args()
+    if args.check_cuda_compile:
+        check_cuda_compile(os.environ.get("MAXSIM_CUDA_ARCHS", "8.0;9.0a").split(";"))
+        return
+    build(args.backend, Path(args.out), args.verbose)
+
+
+if __name__ == "__main__":
+    main()

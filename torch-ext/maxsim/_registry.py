@@ -1,0 +1,124 @@
+"""Fake kernels, autograd and reference fallbacks for the compiled op set.
+
+The schemas live in ``torch_binding.cpp``; this module makes them usable
+under ``torch.compile(fullgraph=True)`` (fake kernels), differentiable
+(``torch.library.register_autograd``) and complete on every device (a device
+whose build lacks an op gets the pure-PyTorch reference for it, recorded in
+``FALLBACKS`` so tests can insist there is none).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from . import reference
+from ._ops import add_op_namespace_prefix, ops
+
+FORWARD = add_op_namespace_prefix("forward")
+BACKWARD = add_op_namespace_prefix("backward")
+
+#: (op name, dispatch key) pairs served by the Python reference.
+FALLBACKS: set[tuple[str, str]] = set()
+
+
+def num_pairs(q_start, d_start, pair_q, layout: int) -> int:
+    if layout == reference.CROSS:
+        return q_start.shape[0] * d_start.shape[0]
+    if layout == reference.GROUPED:
+        return d_start.shape[0]
+    return pair_q.shape[0]
+
+
+def _argmax_empty(q, P, lq, argmax_kind):
+    if argmax_kind == 0:
+        return q.new_empty((0,), dtype=torch.int32)
+    return q.new_empty((P, lq), dtype=torch.int16 if argmax_kind == 2 else torch.int32)
+
+
+@torch.library.register_fake(FORWARD)
+def _forward_fake(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d,
+                  layout, lq, argmax_kind, tf32):
+    P = num_pairs(q_start, d_start, pair_q, layout)
+    return q.new_empty((P,), dtype=torch.float32), _argmax_empty(q, P, lq, argmax_kind)
+
+
+@torch.library.register_fake(BACKWARD)
+def _backward_fake(grad, q, q_start, q_len, d, d_start, d_len, pair_q, pair_d, argmax,
+                   layout, q_ptr, q_pairs, d_ptr, d_pairs, need_dq, need_dd):
+    dq = torch.empty_like(q) if need_dq else q.new_empty((0,))
+    dd = torch.empty_like(d) if need_dd else d.new_empty((0,))
+    return dq, dd
+
+
+def _csr(ids: torch.Tensor, n: int):
+    """Stable grouping of pair indices by id: (ptr [n+1], pairs [P]), no host sync."""
+    ids = ids.to(torch.int64)
+    order = torch.sort(ids, stable=True).indices
+    ptr = torch.searchsorted(ids[order], torch.arange(n + 1, device=ids.device))
+    return ptr.to(torch.int32), order.to(torch.int32)
+
+
+def _setup_context(ctx, inputs, output):
+    (q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d,
+     layout, lq, argmax_kind, tf32) = inputs
+    _, argmax = output
+    ctx.layout = layout
+    ctx.has_argmax = argmax_kind != 0
+    ctx.save_for_backward(q, q_start, q_len, d, d_start, d_len, pair_q, pair_d, argmax)
+
+
+def _backward(ctx, grad_scores, grad_argmax):
+    q, q_start, q_len, d, d_start, d_len, pair_q, pair_d, argmax = ctx.saved_tensors
+    if not ctx.has_argmax:
+        raise RuntimeError(
+            "maxsim: this call was made without keeping the argmax needed for "
+            "gradients; use the *_train variant or maxsim()"
+        )
+    need_dq, need_dd = ctx.needs_input_grad[0], ctx.needs_input_grad[4]
+    q_ptr = q_pairs = d_ptr = d_pairs = None
+    if ctx.layout == reference.LIST:
+        if need_dq:
+            q_ptr, q_pairs = _csr(pair_q, q_start.shape[0])
+        if need_dd:
+            d_ptr, d_pairs = _csr(pair_d, d_start.shape[0])
+    dq, dd = ops.backward(
+        grad_scores.contiguous().to(torch.float32), q, q_start, q_len, d, d_start, d_len,
+        pair_q, pair_d, argmax, ctx.layout, q_ptr, q_pairs, d_ptr, d_pairs, need_dq, need_dd,
+    )
+    return (dq if need_dq else None, None, None, None, dd if need_dd else None,
+            None, None, None, None, None, None, None, None, None)
+
+
+torch.library.register_autograd(FORWARD, _backward, setup_context=_setup_context)
+
+
+def _warn_fallback(op: str, key: str) -> None:
+    warnings.warn(f"maxsim: no compiled {op} kernel for {key}; using the PyTorch reference",
+                  stacklevel=3)
+
+
+def _reference_forward(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d,
+                       layout, lq, argmax_kind, tf32):
+    _warn_fallback("forward", q.device.type)
+    return reference.forward(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask,
+                             pair_q, pair_d, layout, lq, argmax_kind, tf32)
+
+
+def _reference_backward(grad, q, q_start, q_len, d, d_start, d_len, pair_q, pair_d, argmax,
+                        layout, q_ptr, q_pairs, d_ptr, d_pairs, need_dq, need_dd):
+    _warn_fallback("backward", q.device.type)
+    return reference.backward(grad, q, q_start, q_len, d, d_start, d_len, pair_q, pair_d,
+                              argmax, layout, q_ptr, q_pairs, d_ptr, d_pairs, need_dq, need_dd)
+
+
+def _register_fallbacks() -> None:
+    for key in ("CPU", "CUDA", "MPS"):
+        for name, impl in ((FORWARD, _reference_forward), (BACKWARD, _reference_backward)):
+            if not torch._C._dispatch_has_kernel_for_dispatch_key(name, key):
+                torch.library.impl(name, key)(impl)
+                FALLBACKS.add((name.split("::")[1], key))
+
+
+_register_fallbacks()

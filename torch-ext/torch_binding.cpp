@@ -1,0 +1,36 @@
+// Op schemas, declared once for every backend; each backend registers its
+// implementation for its dispatch key. The contract is in torch_binding.h.
+#include <torch/library.h>
+
+#include "registration.h"
+#include "torch_binding.h"
+
+TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
+  ops.def(
+      "forward(Tensor q, Tensor q_start, Tensor q_len, Tensor? q_mask, "
+      "Tensor d, Tensor d_start, Tensor d_len, Tensor? d_mask, "
+      "Tensor? pair_q, Tensor? pair_d, int layout, int lq, int argmax_kind, "
+      "bool tf32) -> (Tensor scores, Tensor argmax)");
+  ops.def(
+      "backward(Tensor grad, Tensor q, Tensor q_start, Tensor q_len, "
+      "Tensor d, Tensor d_start, Tensor d_len, Tensor? pair_q, "
+      "Tensor? pair_d, Tensor argmax, int layout, Tensor? q_ptr, "
+      "Tensor? q_pairs, Tensor? d_ptr, Tensor? d_pairs, bool need_dq, "
+      "bool need_dd) -> (Tensor dq, Tensor dd)");
+#if defined(CPU_KERNEL)
+  ops.impl("forward", torch::kCPU, &maxsim::forward_cpu);
+  ops.impl("backward", torch::kCPU, &maxsim::backward_cpu);
+#endif
+#if defined(CUDA_KERNEL)
+  ops.impl("forward", torch::kCUDA, &maxsim::forward_cuda);
+#if defined(MAXSIM_CUDA_BACKWARD)
+  ops.impl("backward", torch::kCUDA, &maxsim::backward_cuda);
+#endif
+#endif
+#if defined(METAL_KERNEL)
+  ops.impl("forward", torch::kMPS, &maxsim::forward_mps);
+  ops.impl("backward", torch::kMPS, &maxsim::backward_mps);
+#endif
+}
+
+REGISTER_EXTENSION(TORCH_EXTENSION_NAME)
