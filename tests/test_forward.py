@@ -165,7 +165,7 @@ def test_masked_nan_token_is_ignored(ms, device, dtype):
     dm = torch.ones(3, 5, dtype=torch.bool, device=device)
     dm[1, 4] = False
     s = ms.maxsim(Q, D, d_mask=dm)
-    assert_close(s, ms.maxsim_reference(Q, D[:, :4]), dtype)
+    assert_close(s, ms.maxsim_reference(Q, D, None, dm), dtype)
 
 
 def test_empty_batches(ms, device):
@@ -195,7 +195,7 @@ def test_non_contiguous_inputs(ms, device, dtype):
     Qb = rand(3, 10, 64, dtype=dtype, device=device)
     Db = rand(5, 2, 12, 64, dtype=dtype, device=device)
     Q = Qb[:, ::2, :32]  # strided views
-    D = Db.transpose(0, 1)[..., 32:]
+    D = Db.transpose(0, 1)[1][..., 32:]
     ref = ms.maxsim_reference(Q, D)
     assert_close(ms.maxsim(Q, D), ref, dtype)
     Dg = Db[:3]
