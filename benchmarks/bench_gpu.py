@@ -1,0 +1,247 @@
+"""GPU benchmark matrix: maxsim vs late-interaction-kernels (LIK), flash-maxsim
+(FM) and naive PyTorch on the same inputs in one process.
+
+Every implementation's output is checked against an fp64 reference first (a
+mismatch is reported, not timed). Prints the floor (bytes / measured copy
+bandwidth, FLOPs / measured bf16 matmul rate) and writes
+``bench_results/<gpu>.json``:
+``{"meta": {...}, "rows": [{"workload", "impl", "dtype", "ms", "peak_mib", "relerr"}]}``.
+
+    python benchmarks/bench_gpu.py [--only rerank-short,...] [--cold-start]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# name: (kind, Nq or B, Nd or K, Lq, Ld)
+FORWARD = {
+    "rerank-short": ("shared", 1, 1000, 32, 300),
+    "rerank-long": ("shared", 1, 1000, 32, 1024),
+    "rerank-medium": ("shared", 1, 1000, 128, 1024),
+    "rerank-colpali": ("shared", 1, 1000, 1024, 1024),
+    "corpus-10k": ("shared", 1, 10000, 32, 300),
+    "colpali-10k": ("shared", 1, 10000, 1024, 1024),
+    "allpairs-128": ("shared", 128, 128, 32, 300),
+    "Rerank": ("padded", 32, 50, 32, 180),
+    "HeavyRerank": ("padded", 32, 100, 32, 256),
+}
+DIM = 128
+
+
+def load_maxsim():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import kernels
+
+    return kernels.get_local_kernel(ROOT)
+
+
+def peers():
+    out = {}
+    try:
+        import late_interaction_kernels as lik
+
+        out["lik"] = lik
+    except Exception as e:  # noqa: BLE001
+        print(f"late-interaction-kernels unavailable: {e}")
+    try:
+        import flash_maxsim as fm
+
+        out["flash-maxsim"] = fm
+    except Exception as e:  # noqa: BLE001
+        print(f"flash-maxsim unavailable: {e}")
+    return out
+
+
+def make_inputs(kind, n, k, lq, ld, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    Q = torch.nn.functional.normalize(torch.randn(n, lq, DIM, device="cuda", generator=g), dim=-1).to(dtype)
+    shape = (k, ld, DIM) if kind == "shared" else (n, k, ld, DIM)
+    D = torch.randn(*shape, device="cuda", generator=g, dtype=dtype)
+    D /= D.float().norm(dim=-1, keepdim=True).to(dtype)
+    return Q, D
+
+
+def implementations(ms, kind, pe):
+    impls = {}
+    if kind == "shared":
+        impls["maxsim"] = lambda Q, D: ms.maxsim(Q, D)
+        impls["naive"] = lambda Q, D: torch.einsum("qid,njd->qnij", Q, D).amax(-1).float().sum(-1)
+        if "lik" in pe:
+            impls["lik"] = lambda Q, D: pe["lik"].maxsim(Q, D)
+        if "flash-maxsim" in pe:
+            impls["flash-maxsim"] = lambda Q, D: pe["flash-maxsim"].flash_maxsim_batched(Q, D)
+    else:
+        impls["maxsim"] = lambda Q, D: ms.score_candidates_padded(Q, D)
+        impls["naive"] = lambda Q, D: torch.einsum("bid,bkjd->bkij", Q, D).amax(-1).float().sum(-1)
+        if "lik" in pe:
+            impls["lik"] = lambda Q, D: pe["lik"].maxsim(Q, D)
+        if "flash-maxsim" in pe:
+            impls["flash-maxsim"] = lambda Q, D: pe["flash-maxsim"].flash_maxsim_rerank_padded(Q, D)
+    return impls
+
+
+CHECK_DOCS = 256  # outputs are verified on the first documents (fp64 is slow)
+
+
+def reference(Q, D, kind):
+    """fp64 scores of the first CHECK_DOCS documents (per query for padded)."""
+    D = D[:CHECK_DOCS] if kind == "shared" else D[:, :CHECK_DOCS]
+    out = []
+    step = max(1, (1 << 28) // max(1, Q.shape[0] * Q.shape[1] * D.shape[-2]))
+    Qd = Q.double()
+    if kind == "shared":
+        for s in range(0, D.shape[0], step):
+            out.append(torch.einsum("qid,njd->qnij", Qd, D[s:s + step].double()).amax(-1).sum(-1))
+        return torch.cat(out, dim=1)
+    for s in range(0, D.shape[1], max(1, step // max(1, Q.shape[0]))):
+        e = s + max(1, step // max(1, Q.shape[0]))
+        out.append(torch.einsum("bid,bkjd->bkij", Qd, D[:, s:e].double()).amax(-1).sum(-1))
+    return torch.cat(out, dim=1)
+
+
+def bench(fn, reps_ms=200):
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=reps_ms, return_mode="median")
+
+
+def ceilings():
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    t = bench(lambda: y.copy_(x))
+    bw = 2 * x.numel() / (t * 1e-3)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    t = bench(lambda: a @ b)
+    flops = 2 * 8192**3 / (t * 1e-3)
+    del x, y, a, b
+    torch.cuda.empty_cache()
+    return bw, flops
+
+
+def floor_ms(kind, n, k, lq, ld, bw, flops):
+    ndocs = k if kind == "shared" else n * k
+    byts = 2 * (n * lq * DIM + ndocs * ld * DIM) + 4 * n * (k if kind == "shared" else k)
+    fl = 2 * n * k * lq * ld * DIM
+    return max(byts / bw, fl / flops) * 1e3
+
+
+def run_forward(ms, pe, only, bw, flops):
+    rows = []
+    print(f"{'workload':<16} {'impl':<14} {'ms':>8} {'floor':>7} {'peak MiB':>9} {'relerr':>9}")
+    for name, (kind, n, k, lq, ld) in FORWARD.items():
+        if only and name not in only:
+            continue
+        Q, D = make_inputs(kind, n, k, lq, ld)
+        ref = reference(Q, D, kind)
+        fl = floor_ms(kind, n, k, lq, ld, bw, flops)
+        for impl, fn in implementations(ms, kind, pe).items():
+            try:
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                out = fn(Q, D)
+                torch.cuda.synchronize()
+                peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+                out = out.reshape(Q.shape[0], -1)[:, : ref.shape[1]]
+                err = ((out.double() - ref).norm() / ref.norm()).item()
+                if not err < 1e-2:
+                    print(f"{name:<16} {impl:<14} WRONG relerr {err:.2e}")
+                    rows.append(dict(workload=name, impl=impl, dtype="bf16", ms=None, peak_mib=peak, relerr=err))
+                    continue
+                del out
+                t = bench(lambda: fn(Q, D))
+            except torch.cuda.OutOfMemoryError:
+                print(f"{name:<16} {impl:<14} out of memory")
+                rows.append(dict(workload=name, impl=impl, dtype="bf16", ms=None, error="oom"))
+                torch.cuda.empty_cache()
+                continue
+            except Exception as e:  # noqa: BLE001
+                print(f"{name:<16} {impl:<14} failed: {type(e).__name__}: {str(e)[:80]}")
+                rows.append(dict(workload=name, impl=impl, dtype="bf16", ms=None, error=str(e)[:200]))
+                continue
+            print(f"{name:<16} {impl:<14} {t:8.4f} {fl:7.4f} {peak:9.1f} {err:9.1e}", flush=True)
+            rows.append(dict(workload=name, impl=impl, dtype="bf16", ms=t, floor_ms=fl, peak_mib=peak, relerr=err))
+        del Q, D, ref
+        torch.cuda.empty_cache()
+    return rows
+
+
+COLD = r"""
+import os, sys, time, torch
+t0 = time.perf_counter()
+impl = sys.argv[1]
+Q = torch.randn(32, 32, 128, device="cuda", dtype=torch.bfloat16)
+D = torch.randn(1000, 300, 128, device="cuda", dtype=torch.bfloat16)
+torch.cuda.synchronize()
+t0 = time.perf_counter()
+if impl == "maxsim":
+    import kernels; from pathlib import Path
+    ms = kernels.get_local_kernel(Path(sys.argv[2])); f = lambda: ms.maxsim(Q, D)
+elif impl == "lik":
+    import late_interaction_kernels as lik; f = lambda: lik.maxsim(Q, D)
+elif impl == "flash-maxsim":
+    import flash_maxsim as fm; f = lambda: fm.flash_maxsim_batched(Q, D)
+else:
+    f = lambda: torch.einsum("qid,njd->qnij", Q, D).amax(-1).float().sum(-1)
+f(); torch.cuda.synchronize(); t1 = time.perf_counter()
+f(); torch.cuda.synchronize(); t2 = time.perf_counter()
+print((t1 - t0) * 1e3, (t2 - t1) * 1e3)
+"""
+
+
+def cold_start(impls):
+    rows = []
+    for impl in impls:
+        env = dict(os.environ, TRITON_CACHE_DIR=f"/tmp/triton-cold-{impl}-{time.time_ns()}", HF_HUB_OFFLINE="1")
+        r = subprocess.run([sys.executable, "-c", COLD, impl, str(ROOT)], capture_output=True, text=True, env=env)
+        if r.returncode:
+            print(f"cold start {impl}: failed {r.stderr.strip()[-200:]}")
+            continue
+        first, second = map(float, r.stdout.split()[-2:])
+        print(f"cold start {impl:<14} first {first:9.1f} ms   second {second:7.2f} ms")
+        rows.append(dict(workload="cold-start 32x1000 Lq32 Ld300", impl=impl, dtype="bf16",
+                         first_call_ms=first, second_call_ms=second))
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default="")
+    ap.add_argument("--cold-start", action="store_true")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    only = set(filter(None, args.only.split(",")))
+    ms = load_maxsim()
+    pe = peers()
+    gpu = torch.cuda.get_device_name()
+    bw, flops = ceilings()
+    print(f"{gpu}, torch {torch.__version__}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s")
+    rows = run_forward(ms, pe, only, bw, flops)
+    if args.cold_start:
+        rows += cold_start(["naive", "maxsim"] + list(pe))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    meta = dict(gpu=gpu, torch=torch.__version__, date=datetime.date.today().isoformat(), commit=commit,
+                copy_tb_s=bw / 1e12, matmul_tflop_s=flops / 1e12)
+    out = Path(args.out or ROOT / "bench_results" / f"{gpu.lower().replace(' ', '-')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

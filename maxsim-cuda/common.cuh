@@ -1,0 +1,411 @@
+// Shared pieces of the CUDA forward kernels: the launch parameters, pair /
+// segment resolution, the NaN-aware running max, PTX wrappers (cp.async,
+// ldmatrix, mma.sync) and the tile epilogue that turns per-row maxima into
+// scores / argmax rows (direct mode) or per-row partials (row mode, reduced by
+// the finalize kernels in a fixed order).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace maxsim {
+namespace cuda_fwd {
+
+constexpr int kCrossL = 0, kGroupedL = 1, kListL = 2;
+
+struct FwdParams {
+  const char* q;  // [Tq, dim] raw bytes
+  const char* d;  // [Td, dim]
+  const int* q_start;
+  const int* q_len;
+  const bool* q_mask;  // nullable
+  const int* d_start;
+  const int* d_len;
+  const bool* d_mask;  // nullable
+  const int* pair_q;   // LIST only
+  const int* pair_d;
+  int64_t Tq, Td;
+  int64_t row_bytes;  // dim * element size
+  int64_t Nq, Nd, P, K;  // K: docs per query (GROUPED), >= 1
+  int layout;
+  int lq;
+  // Tiling (set by the host for the chosen kernel).
+  int qpt;  // queries stacked in one M tile (CROSS only, else 1)
+  int tpq;  // M tiles per query (lq > BM), else 1
+  int64_t mt_total;  // M tiles per "u" (doc for CROSS/GROUPED, pair for LIST)
+  int S;             // doc splits (each split: a BN-aligned chunk of tokens)
+  int kch;           // k chunks (MMA path)
+  int vecb;          // cp.async width in bytes (MMA path): 16, 8 or 4
+  int row_mode;      // 0 direct, 1 tile partial sums, 2 per-row partials (see finish_tile)
+  // Outputs.
+  float* scores;
+  void* argmax;
+  int argmax_kind;
+  float* ws_best;  // row_mode 1: [tpq, P]; row_mode 2: [S, P, lq]
+  int* ws_idx;     // row_mode 2: [S, P, lq] (argmax only)
+};
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+// max that propagates NaN (PTX max.NaN, sm_80+).
+__device__ __forceinline__ float max_nan(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+// Running (max, argmax) update for a column visited in increasing index
+// order: NaN wins (first NaN kept), ties keep the earlier (lower) index, -inf
+// (masked) never wins.
+__device__ __forceinline__ void upd_arg(float& best, int& idx, float v, int col) {
+  float m = max_nan(best, v);
+  bool take = __float_as_int(m) != __float_as_int(best);
+  idx = take ? col : idx;
+  best = m;
+}
+
+// Merge of two partial (max, argmax) states under the total order
+// "NaN > any value; larger value; equal value -> lower index"; idx < 0 is
+// the empty state. Commutative, so any fixed merge tree is deterministic.
+__device__ __forceinline__ void merge_arg(float& b, int& i, float ob, int oi) {
+  bool take;
+  if (oi < 0) {
+    take = false;
+  } else if (i < 0) {
+    take = true;
+  } else {
+    bool bn = b != b, on = ob != ob;
+    if (bn || on)
+      take = on && (!bn || oi < i);
+    else
+      take = ob > b || (ob == b && oi < i);
+  }
+  if (take) {
+    b = ob;
+    i = oi;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Segment / pair resolution. A segment that is invalid (len < 0, id out of
+// range, rows outside the tensor) makes every pair touching it NaN.
+// ---------------------------------------------------------------------------
+__device__ __forceinline__ bool query_ok(const FwdParams& p, int64_t n, int& qs, int& ql) {
+  qs = 0;
+  ql = 0;
+  if (n < 0 || n >= p.Nq) return false;
+  int s = p.q_start[n], len = p.q_len[n];
+  if (len < 0) return false;
+  int l = min(len, p.lq);
+  if (s < 0 || (int64_t)s + l > p.Tq) return false;
+  qs = s;
+  ql = l;
+  return true;
+}
+
+__device__ __forceinline__ bool doc_ok(const FwdParams& p, int64_t dn, int& ds, int& dl) {
+  ds = 0;
+  dl = 0;
+  if (dn < 0 || dn >= p.Nd) return false;
+  int s = p.d_start[dn], len = p.d_len[dn];
+  if (len < 0) return false;
+  if (s < 0 || (int64_t)s + len > p.Td) return false;
+  ds = s;
+  dl = len;
+  return true;
+}
+
+// Pair p -> (query id, doc id); ids may be out of range (then invalid).
+__device__ __forceinline__ void pair_ids(const FwdParams& p, int64_t pr, int64_t& n, int64_t& dn) {
+  if (p.layout == kCrossL) {
+    n = pr / p.Nd;
+    dn = pr - n * p.Nd;
+  } else if (p.layout == kGroupedL) {
+    n = pr / p.K;
+    dn = pr;
+  } else {
+    n = p.pair_q[pr];
+    dn = p.pair_d[pr];
+  }
+}
+
+// Work item (one CTA): M tile mt, doc split s, "u" = doc (CROSS / GROUPED) or
+// pair (LIST). The M tile index varies fastest so CTAs sharing a doc run
+// together (the doc is read from DRAM once, then from L2).
+struct Work {
+  int mt, s;
+  int64_t u;
+  int64_t dn;
+  bool dvalid;
+  int ds, dl;
+  int c0, c1;  // token range [c0, c1) of this split within the doc
+};
+
+template <int BN>
+__device__ __forceinline__ Work decode_work(const FwdParams& p, int64_t item) {
+  Work w;
+  w.mt = (int)(item % p.mt_total);
+  int64_t rest = item / p.mt_total;
+  w.s = (int)(rest % p.S);
+  w.u = rest / p.S;
+  w.dn = (p.layout == kListL) ? (int64_t)p.pair_d[w.u] : w.u;
+  w.dvalid = doc_ok(p, w.dn, w.ds, w.dl);
+  int chunk = (w.dl + p.S - 1) / p.S;
+  chunk = (chunk + BN - 1) / BN * BN;
+  long long c0 = (long long)w.s * chunk;
+  long long c1 = c0 + chunk;
+  if (c1 > w.dl) c1 = w.dl;
+  if (c0 > c1) c0 = c1;
+  w.c0 = (int)c0;
+  w.c1 = (int)c1;
+  return w;
+}
+
+// Query of slot k of the CTA's M tile (slots exist for k < qpt when CROSS).
+__device__ __forceinline__ int64_t slot_query(const FwdParams& p, const Work& w, int k) {
+  if (p.layout == kCrossL) return (int64_t)(w.mt / p.tpq) * p.qpt + k;
+  if (p.layout == kGroupedL) return w.u / p.K;
+  return p.pair_q[w.u];
+}
+
+__device__ __forceinline__ int64_t slot_pair(const FwdParams& p, const Work& w, int64_t n) {
+  return p.layout == kCrossL ? n * p.Nd + w.u : w.u;
+}
+
+__device__ __forceinline__ bool slot_exists(const FwdParams& p, int64_t n, int k) {
+  return p.layout == kCrossL ? (n < p.Nq) : (k == 0);
+}
+
+// Row r of an M tile of BM rows -> (slot k, row i within the query).
+__device__ __forceinline__ void tile_row(const FwdParams& p, int BM, int mt, int r, int& k, int& i) {
+  if (p.tpq > 1) {
+    k = 0;
+    i = (mt % p.tpq) * BM + r;
+  } else {
+    k = r / p.lq;
+    i = r - k * p.lq;
+  }
+}
+
+// Fills the row table of the CTA: global query row to load (-1: zero) and
+// whether the row counts (valid query, i < q_len, not masked).
+template <int BM, int NTH>
+__device__ __forceinline__ void build_row_table(const FwdParams& p, const Work& w, long long* row_src,
+                                                unsigned char* row_ok) {
+  for (int r = threadIdx.x; r < BM; r += NTH) {
+    int k, i;
+    tile_row(p, BM, w.mt, r, k, i);
+    long long src = -1;
+    bool ok = false;
+    int nslots = p.layout == kCrossL ? p.qpt : 1;
+    if (k < nslots && i < p.lq) {
+      int64_t n = slot_query(p, w, k);
+      int qs, ql;
+      if (slot_exists(p, n, k) && query_ok(p, n, qs, ql) && i < ql) {
+        src = (long long)qs + i;
+        ok = p.q_mask == nullptr || p.q_mask[src];
+      }
+    }
+    row_src[r] = src;
+    row_ok[r] = ok;
+  }
+}
+
+__device__ __forceinline__ void store_argmax(const FwdParams& p, int64_t idx, int v) {
+  if (p.argmax_kind == 1)
+    static_cast<int*>(p.argmax)[idx] = v;
+  else
+    static_cast<int16_t*>(p.argmax)[idx] = (int16_t)v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Tile epilogue. rb/ri: per-row max / argmax over this CTA's doc chunk
+// (rb = -inf: no valid doc token).
+//   row_mode 0 (direct): one warp per query slot sums its rows in a fixed
+//     order and writes score + argmax row.
+//   row_mode 1 (tile partial; S == 1, lq > BM): the same for the BM rows of
+//     this tile; argmax rows are final, the partial sum goes to
+//     ws_best[t * P + pair] and finalize_partial_kernel adds the tpq partials.
+//   row_mode 2 (doc split, S > 1): per-row (max, argmax) partials go to
+//     ws_best / ws_idx [S, P, lq]; finalize_rows_kernel merges them.
+template <int BM, int NTH, bool ARG>
+__device__ __forceinline__ void finish_tile(const FwdParams& p, const Work& w, const float* rb, const int* ri,
+                                            const unsigned char* row_ok) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  constexpr int NW = NTH / 32;
+  const int nslots = p.layout == kCrossL ? p.qpt : 1;
+  if (p.row_mode <= 1) {
+    const int t = w.mt % p.tpq;
+    for (int k = warp; k < nslots; k += NW) {
+      int64_t n = slot_query(p, w, k);
+      if (!slot_exists(p, n, k)) continue;
+      int qs, ql;
+      bool ok = query_ok(p, n, qs, ql) && w.dvalid;
+      int64_t pr = slot_pair(p, w, n);
+      // Rows of this slot held by this tile: i in [i0, i1), tile row r = rbase + i.
+      int i0, i1, rbase;
+      if (p.tpq > 1) {
+        i0 = t * BM;
+        i1 = min(p.lq, i0 + BM);
+        rbase = -i0;
+      } else {
+        i0 = 0;
+        i1 = p.lq;
+        rbase = k * p.lq;
+      }
+      float sum = 0.f;
+      for (int i = i0 + lane; i < i1; i += 32) {
+        int r = rbase + i;
+        float v = rb[r];
+        bool use = ok && row_ok[r] && v != neg_inf();
+        sum += use ? v : 0.f;
+        if (ARG) store_argmax(p, pr * p.lq + i, use ? ri[r] : -1);
+      }
+      sum = warp_sum(sum);
+      if (lane == 0) {
+        if (p.row_mode == 0)
+          p.scores[pr] = ok ? sum : __int_as_float(0x7fc00000);
+        else
+          p.ws_best[(int64_t)t * p.P + pr] = sum;
+      }
+    }
+  } else {
+    for (int r = threadIdx.x; r < BM; r += NTH) {
+      if (!row_ok[r]) continue;
+      int k, i;
+      tile_row(p, BM, w.mt, r, k, i);
+      int64_t n = slot_query(p, w, k);
+      int64_t pr = slot_pair(p, w, n);
+      int64_t o = ((int64_t)w.s * p.P + pr) * p.lq + i;
+      p.ws_best[o] = rb[r];
+      if (ARG) p.ws_idx[o] = ri[r];
+    }
+  }
+}
+
+__device__ __forceinline__ bool pair_ok(const FwdParams& p, int64_t pr, int& qs, int& ql) {
+  int64_t n, dn;
+  pair_ids(p, pr, n, dn);
+  int ds, dl;
+  bool ok = query_ok(p, n, qs, ql);
+  return doc_ok(p, dn, ds, dl) && ok;
+}
+
+// row_mode 1: score = sum of the tpq tile partials, in tile order.
+__global__ void __launch_bounds__(256) finalize_partial_kernel(FwdParams p) {
+  int64_t pr = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (pr >= p.P) return;
+  int qs, ql;
+  bool ok = pair_ok(p, pr, qs, ql);
+  float sum = 0.f;
+  for (int t = 0; t < p.tpq; ++t) sum += p.ws_best[(int64_t)t * p.P + pr];
+  p.scores[pr] = ok ? sum : __int_as_float(0x7fc00000);
+}
+
+// row_mode 2: one warp per pair merges the S split partials of each row (in
+// split order), sums the rows in a fixed order, writes score and argmax.
+// With S == 0 it only writes 0 / NaN scores and -1 argmax (lq == 0).
+template <bool ARG>
+__global__ void __launch_bounds__(256) finalize_rows_kernel(FwdParams p) {
+  int64_t pr = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (pr >= p.P) return;
+  int qs, ql;
+  bool ok = pair_ok(p, pr, qs, ql);
+  float sum = 0.f;
+  for (int i = lane; i < p.lq; i += 32) {
+    int out = -1;
+    if (ok && i < ql && (p.q_mask == nullptr || p.q_mask[(int64_t)qs + i])) {
+      float b = neg_inf();
+      int ix = -1;
+      for (int s = 0; s < p.S; ++s) {
+        int64_t o = ((int64_t)s * p.P + pr) * p.lq + i;
+        float v = p.ws_best[o];
+        if (ARG)
+          merge_arg(b, ix, v, p.ws_idx[o]);
+        else
+          b = max_nan(b, v);
+      }
+      if (b != neg_inf()) {
+        sum += b;
+        out = ix;
+      }
+    }
+    if (ARG) store_argmax(p, pr * p.lq + i, out);
+  }
+  sum = warp_sum(sum);
+  if (lane == 0) p.scores[pr] = ok ? sum : __int_as_float(0x7fc00000);
+}
+
+// ---------------------------------------------------------------------------
+// PTX wrappers.
+// ---------------------------------------------------------------------------
+__device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+
+template <int B>
+__device__ __forceinline__ void cp_async(uint32_t dst, const void* src, bool pred) {
+  int sz = pred ? B : 0;
+  if constexpr (B == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(sz) : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src), "n"(B), "r"(sz)
+                 : "memory");
+  }
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+__device__ __forceinline__ void ldsm_x4(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3, uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+
+// One k-step of 32 bytes per row: m16n8k16 for fp16 / bf16, m16n8k8 for tf32.
+template <typename T>
+struct Mma;
+
+template <>
+struct Mma<__half> {
+  static __device__ __forceinline__ void run(float* c, const uint32_t* a, const uint32_t* b) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+};
+template <>
+struct Mma<__nv_bfloat16> {
+  static __device__ __forceinline__ void run(float* c, const uint32_t* a, const uint32_t* b) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+};
+template <>
+struct Mma<float> {  // TF32 (operands passed as raw fp32 bits)
+  static __device__ __forceinline__ void run(float* c, const uint32_t* a, const uint32_t* b) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+};
+
+}  // namespace cuda_fwd
+}  // namespace maxsim

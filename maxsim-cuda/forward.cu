@@ -1,0 +1,313 @@
+// maxsim::forward_cuda: host dispatch of the forward kernels.
+//
+// Paths:
+//   * fp16 / bf16 (and fp32 with tf32=True): tensor-core kernel
+//     (forward_mma.cuh), one of a few tile configurations chosen from lq, the
+//     layout and the number of queries (see choose_mma_cfg);
+//   * fp32 (exact, default) and whatever the tensor-core kernel cannot take
+//     (odd dim in 16-bit types, rows not 4-byte aligned, a query tile too wide
+//     for shared memory): the FFMA kernel (forward_simt.cuh).
+// One CTA per (M tile, doc chunk, doc or pair). When a query spans several M
+// tiles (lq > BM) or docs are split into chunks for parallelism, CTAs write
+// partials to a workspace and finalize_partial_kernel / finalize_rows_kernel
+// merge and sum them in a fixed order (deterministic; no atomics). No host synchronisation: the
+// longest document is unknown on the host, so splits are sized from the mean
+// document length and every CTA derives its token range from d_len on device.
+//
+// Hook for other kernels (e.g. a wgmma path for large lq on sm_90): plug in at
+// the "path selection" block of forward_cuda; FwdParams carries everything
+// the work decomposition and the finalize kernels need.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <algorithm>
+
+#include "forward_mma.cuh"
+#include "forward_simt.cuh"
+#include "torch_binding.h"
+
+namespace maxsim {
+namespace cuda_fwd {
+
+// Developer hook (benchmark harness only): force a tensor-core configuration
+// (0..kNumMmaCfgs-1), -2 forces the SIMT kernel, -1 = heuristic. Also a
+// forced doc split count (0 = heuristic).
+static int g_forced_cfg = -1;
+static int g_forced_splits = 0;
+void set_forced_config(int cfg, int splits) {
+  g_forced_cfg = cfg;
+  g_forced_splits = splits;
+}
+
+namespace {
+
+void run_mma_any(at::ScalarType t, int cfg, bool arg, const FwdParams& p, int64_t item0, int64_t n, size_t smem,
+                 cudaStream_t st) {
+  if (t == at::kHalf)
+    run_mma<__half>(cfg, arg, p, item0, n, smem, st);
+  else if (t == at::kBFloat16)
+    run_mma<__nv_bfloat16>(cfg, arg, p, item0, n, smem, st);
+  else
+    run_mma<float>(cfg, arg, p, item0, n, smem, st);
+}
+
+int occupancy_mma_any(at::ScalarType t, int cfg, bool arg, size_t smem) {
+  if (t == at::kHalf) return occupancy_mma<__half>(cfg, arg, smem);
+  if (t == at::kBFloat16) return occupancy_mma<__nv_bfloat16>(cfg, arg, smem);
+  return occupancy_mma<float>(cfg, arg, smem);
+}
+
+void run_simt_any(at::ScalarType t, bool arg, const FwdParams& p, int64_t item0, int64_t n, cudaStream_t st) {
+  if (t == at::kHalf)
+    run_simt<__half>(arg, p, item0, n, st);
+  else if (t == at::kBFloat16)
+    run_simt<__nv_bfloat16>(arg, p, item0, n, st);
+  else
+    run_simt<float>(arg, p, item0, n, st);
+}
+
+int occupancy_simt_any(at::ScalarType t, bool arg) {
+  if (t == at::kHalf) return occupancy_simt_t<__half>(arg);
+  if (t == at::kBFloat16) return occupancy_simt_t<__nv_bfloat16>(arg);
+  return occupancy_simt_t<float>(arg);
+}
+
+// Static shared memory of the MMA kernel (row table + cross-warp reduction).
+size_t mma_static_smem(int cfg) {
+  int bm = mma_cfg_bm(cfg);
+  int wn = 2;
+  if (cfg == 0) wn = 4;
+  return (size_t)bm * (8 + 1 + 8 * wn) + 64;
+}
+
+// Tile configuration from the shape (see forward_mma.cuh for the shapes).
+int choose_mma_cfg(int64_t layout, int64_t nq, int64_t lq) {
+  if (layout == kCross && nq > 1) {
+    // Stack several queries in one M tile so each doc tile feeds many queries.
+    if (lq <= 32 && nq * lq <= 32) return 0;
+    if (lq <= 64 && nq * lq <= 64) return 1;
+    if (lq <= 64) return 2;
+  }
+  if (lq <= 32) return 0;
+  if (lq <= 64) return 1;
+  if (lq >= 256) return 3;
+  return 2;
+}
+
+void launch_finalize(bool arg, const FwdParams& p, cudaStream_t st) {
+  if (p.row_mode == 1) {
+    finalize_partial_kernel<<<(unsigned)((p.P + 255) / 256), 256, 0, st>>>(p);
+  } else {
+    int64_t blocks = (p.P * 32 + 255) / 256;
+    if (arg)
+      finalize_rows_kernel<true><<<(unsigned)blocks, 256, 0, st>>>(p);
+    else
+      finalize_rows_kernel<false><<<(unsigned)blocks, 256, 0, st>>>(p);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void check_index(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cuda() && t.scalar_type() == at::kInt && t.dim() == 1 && t.is_contiguous(), "maxsim: ", name,
+              " must be a contiguous 1-D int32 CUDA tensor");
+}
+
+}  // namespace
+}  // namespace cuda_fwd
+
+std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q_in, const at::Tensor& q_start,
+                                                const at::Tensor& q_len, const std::optional<at::Tensor>& q_mask,
+                                                const at::Tensor& d_in, const at::Tensor& d_start,
+                                                const at::Tensor& d_len, const std::optional<at::Tensor>& d_mask,
+                                                const std::optional<at::Tensor>& pair_q,
+                                                const std::optional<at::Tensor>& pair_d, int64_t layout, int64_t lq,
+                                                int64_t argmax_kind, bool tf32) {
+  using namespace cuda_fwd;
+  TORCH_CHECK(q_in.is_cuda() && d_in.is_cuda(), "maxsim: q and d must be CUDA tensors");
+  TORCH_CHECK(q_in.dim() == 2 && d_in.dim() == 2 && q_in.size(1) == d_in.size(1),
+              "maxsim: q [Tq, dim] and d [Td, dim] must share dim");
+  const auto dtype = q_in.scalar_type();
+  TORCH_CHECK(dtype == d_in.scalar_type(), "maxsim: q and d must have the same dtype");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
+              "maxsim: dtype must be float32, float16 or bfloat16");
+  TORCH_CHECK(layout >= 0 && layout <= 2, "maxsim: bad layout");
+  TORCH_CHECK(argmax_kind >= 0 && argmax_kind <= 2, "maxsim: bad argmax_kind");
+  TORCH_CHECK(lq >= 0 && lq < (int64_t)1 << 30, "maxsim: bad lq");
+  check_index(q_start, "q_start");
+  check_index(q_len, "q_len");
+  check_index(d_start, "d_start");
+  check_index(d_len, "d_len");
+  TORCH_CHECK(q_start.numel() == q_len.numel() && d_start.numel() == d_len.numel(),
+              "maxsim: start / len size mismatch");
+
+  c10::cuda::CUDAGuard guard(q_in.device());
+  const at::Tensor q = q_in.contiguous();
+  const at::Tensor d = d_in.contiguous();
+  const int64_t Nq = q_start.numel(), Nd = d_start.numel();
+
+  int64_t P = 0;
+  at::Tensor pq, pd;
+  if (layout == kCross) {
+    P = Nq * Nd;
+  } else if (layout == kGrouped) {
+    P = Nd;
+  } else {
+    TORCH_CHECK(pair_q.has_value() && pair_d.has_value(), "maxsim: LIST layout needs pair_q / pair_d");
+    pq = pair_q->contiguous();
+    pd = pair_d->contiguous();
+    check_index(pq, "pair_q");
+    check_index(pd, "pair_d");
+    TORCH_CHECK(pq.numel() == pd.numel(), "maxsim: pair_q / pair_d size mismatch");
+    P = pq.numel();
+  }
+
+  auto fopts = q.options().dtype(at::kFloat);
+  at::Tensor scores = at::empty({P}, fopts);
+  at::Tensor argmax = argmax_kind == 0
+                          ? at::empty({0}, q.options().dtype(at::kInt))
+                          : at::empty({P, lq}, q.options().dtype(argmax_kind == 1 ? at::kInt : at::kShort));
+  if (P == 0) return {scores, argmax};
+
+  at::Tensor qm, dm;
+  if (q_mask.has_value() && q_mask->defined()) {
+    qm = q_mask->to(at::kBool).contiguous();
+    TORCH_CHECK(qm.is_cuda() && qm.numel() == q.size(0), "maxsim: q_mask must be [Tq]");
+  }
+  if (d_mask.has_value() && d_mask->defined()) {
+    dm = d_mask->to(at::kBool).contiguous();
+    TORCH_CHECK(dm.is_cuda() && dm.numel() == d.size(0), "maxsim: d_mask must be [Td]");
+  }
+
+  const bool arg = argmax_kind != 0;
+  const int64_t dim = q.size(1);
+  const int64_t esz = q.element_size();
+
+  FwdParams p{};
+  p.q = static_cast<const char*>(q.data_ptr());
+  p.d = static_cast<const char*>(d.data_ptr());
+  p.q_start = q_start.data_ptr<int>();
+  p.q_len = q_len.data_ptr<int>();
+  p.q_mask = qm.defined() ? qm.data_ptr<bool>() : nullptr;
+  p.d_start = d_start.data_ptr<int>();
+  p.d_len = d_len.data_ptr<int>();
+  p.d_mask = dm.defined() ? dm.data_ptr<bool>() : nullptr;
+  p.pair_q = pq.defined() ? pq.data_ptr<int>() : nullptr;
+  p.pair_d = pd.defined() ? pd.data_ptr<int>() : nullptr;
+  p.Tq = q.size(0);
+  p.Td = d.size(0);
+  p.row_bytes = dim * esz;
+  p.Nq = Nq;
+  p.Nd = Nd;
+  p.P = P;
+  p.K = std::max<int64_t>(1, (layout == kGrouped && Nq > 0) ? Nd / Nq : 1);
+  p.layout = (int)layout;
+  p.lq = (int)lq;
+  p.scores = scores.data_ptr<float>();
+  p.argmax = arg ? argmax.data_ptr() : nullptr;
+  p.argmax_kind = (int)argmax_kind;
+
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+
+  if (lq == 0) {  // no query rows: scores are 0 (NaN for invalid pairs)
+    p.S = 0;
+    p.tpq = 1;
+    p.row_mode = 2;
+    launch_finalize(arg, p, stream);
+    return {scores, argmax};
+  }
+
+  // ---- path selection ------------------------------------------------------
+  const auto* prop = at::cuda::getCurrentDeviceProperties();
+  const size_t smem_optin = prop->sharedMemPerBlockOptin;
+  const int num_sms = prop->multiProcessorCount;
+
+  bool use_mma = (dtype != at::kFloat) || tf32;
+  int vecb = 0;
+  for (int v : {16, 8, 4}) {
+    if (p.row_bytes % v == 0 && reinterpret_cast<uintptr_t>(p.q) % v == 0 &&
+        reinterpret_cast<uintptr_t>(p.d) % v == 0) {
+      vecb = v;
+      break;
+    }
+  }
+  if (vecb == 0) use_mma = false;
+  const int kch = (int)std::max<int64_t>(1, (p.row_bytes + kMmaKChunkBytes - 1) / kMmaKChunkBytes);
+  int cfg = -1;
+  size_t smem = 0;
+  if (use_mma) {
+    cfg = g_forced_cfg >= 0 ? g_forced_cfg % kNumMmaCfgs : choose_mma_cfg(layout, Nq, lq);
+    // Fall back to narrower query tiles when the resident tile does not fit.
+    while (true) {
+      smem = mma_smem_bytes(cfg, kch);
+      if (smem + mma_static_smem(cfg) <= smem_optin) break;
+      if (cfg == 3)
+        cfg = 2;
+      else if (cfg > 0)
+        cfg = cfg == 2 ? 1 : 0;
+      else {
+        cfg = -1;
+        break;
+      }
+    }
+    if (cfg < 0) use_mma = false;
+  }
+  if (g_forced_cfg == -2) use_mma = false;
+
+  const int bm = use_mma ? mma_cfg_bm(cfg) : kSimtBM;
+  const int bn = use_mma ? mma_cfg_bn(cfg) : kSimtBN;
+  if (lq <= bm) {
+    p.qpt = layout == kCross ? (int)std::max<int64_t>(1, std::min<int64_t>(bm / lq, Nq)) : 1;
+    p.tpq = 1;
+  } else {
+    p.qpt = 1;
+    p.tpq = (int)((lq + bm - 1) / bm);
+  }
+  p.mt_total = layout == kCross ? ((Nq + p.qpt - 1) / p.qpt) * p.tpq : p.tpq;
+  p.kch = kch;
+  p.vecb = vecb;
+  const int64_t U = layout == kList ? P : Nd;
+  const int64_t items_base = U * p.mt_total;
+
+  // ---- doc splits for parallelism (few work items, long docs) ---------------
+  const int occ = std::max(1, use_mma ? occupancy_mma_any(dtype, cfg, arg, smem) : occupancy_simt_any(dtype, arg));
+  const int64_t slots = (int64_t)occ * num_sms;
+  int S = 1;
+  if (g_forced_splits > 0) {
+    S = g_forced_splits;
+  } else if (items_base < slots) {
+    const int64_t avg_ld = Nd > 0 ? d.size(0) / Nd : 0;
+    const int64_t by_len = avg_ld / (2 * bn);  // keep >= 2 tiles per chunk
+    const int64_t want = (2 * slots + items_base - 1) / items_base;
+    S = (int)std::max<int64_t>(1, std::min<int64_t>({want, by_len, 1024}));
+  }
+  p.S = S;
+  p.row_mode = S > 1 ? 2 : (p.tpq > 1 ? 1 : 0);
+
+  at::Tensor ws_best, ws_idx;
+  if (p.row_mode == 1) {
+    ws_best = at::empty({(int64_t)p.tpq * P}, fopts);
+    p.ws_best = ws_best.data_ptr<float>();
+  } else if (p.row_mode == 2) {
+    ws_best = at::empty({(int64_t)S * P * lq}, fopts);
+    p.ws_best = ws_best.data_ptr<float>();
+    if (arg) {
+      ws_idx = at::empty({(int64_t)S * P * lq}, q.options().dtype(at::kInt));
+      p.ws_idx = ws_idx.data_ptr<int>();
+    }
+  }
+
+  // ---- launch (grid.x only, in chunks below the 2^31-1 limit) ---------------
+  const int64_t total_items = items_base * S;
+  constexpr int64_t kMaxGrid = (int64_t)1 << 30;
+  for (int64_t item0 = 0; item0 < total_items; item0 += kMaxGrid) {
+    const int64_t n = std::min(kMaxGrid, total_items - item0);
+    if (use_mma)
+      run_mma_any(dtype, cfg, arg, p, item0, n, smem, stream);
+    else
+      run_simt_any(dtype, arg, p, item0, n, stream);
+  }
+  if (p.row_mode) launch_finalize(arg, p, stream);
+  return {scores, argmax};
+}
+
+}  // namespace maxsim

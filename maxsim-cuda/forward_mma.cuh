@@ -1,0 +1,398 @@
+// Tensor-core forward kernel (fp16 / bf16 via mma.sync m16n8k16, fp32 via
+// TF32 m16n8k8), fp32 accumulation.
+//
+// One CTA = one work item: an M tile of BM query rows (one query, several
+// stacked queries for CROSS, or a BM-row slice of a long query) against one
+// BN-aligned chunk of one document. The query tile stays resident in shared
+// memory for the whole CTA (loaded once, k-chunk major, 128B XOR swizzle);
+// the document streams through a STAGES-deep cp.async ring of [BN x 256 B]
+// tiles (256 B = one k chunk; dim is zero-padded to a multiple of it).
+// After the last k chunk of each BN tile the accumulators are folded into a
+// running (max, argmax) per query row held in registers (NaN-propagating,
+// lowest index on ties, out-of-range / masked columns set to -inf), then the
+// CTA reduces across quads and warps and calls finish_tile.
+#pragma once
+
+#include <c10/cuda/CUDAException.h>
+
+#include "common.cuh"
+
+namespace maxsim {
+namespace cuda_fwd {
+
+constexpr int kMmaKChunkBytes = 256;
+
+template <int BM_, int BN_, int WM_, int WN_, int STAGES_, int MINB_>
+struct MmaShape {
+  static constexpr int BM = BM_, BN = BN_, WM = WM_, WN = WN_, STAGES = STAGES_, MINB = MINB_;
+  static constexpr int NTH = WM * WN * 32;
+};
+
+// The configurations the host dispatches between (index = config id).
+using MmaCfg0 = MmaShape<32, 64, 1, 4, 4, 3>;    // small Lq, memory bound
+using MmaCfg1 = MmaShape<64, 64, 2, 2, 4, 2>;    // Lq <= 64
+using MmaCfg2 = MmaShape<128, 64, 2, 2, 3, 2>;   // stacked queries / long queries
+using MmaCfg3 = MmaShape<128, 128, 2, 2, 3, 1>;  // compute bound (64x64 warp tiles)
+constexpr int kNumMmaCfgs = 4;
+
+template <int CFG>
+struct MmaCfgOf;
+template <>
+struct MmaCfgOf<0> {
+  using type = MmaCfg0;
+};
+template <>
+struct MmaCfgOf<1> {
+  using type = MmaCfg1;
+};
+template <>
+struct MmaCfgOf<2> {
+  using type = MmaCfg2;
+};
+template <>
+struct MmaCfgOf<3> {
+  using type = MmaCfg3;
+};
+
+__host__ __device__ constexpr int mma_cfg_bm(int c) { return c == 0 ? 32 : c == 1 ? 64 : 128; }
+__host__ __device__ constexpr int mma_cfg_bn(int c) { return c == 3 ? 128 : 64; }
+__host__ __device__ constexpr int mma_cfg_stages(int c) { return c <= 1 ? 4 : 3; }
+
+inline size_t mma_smem_bytes(int cfg, int kch) {
+  return (size_t)mma_cfg_bm(cfg) * kch * kMmaKChunkBytes +
+         (size_t)mma_cfg_stages(cfg) * mma_cfg_bn(cfg) * kMmaKChunkBytes;
+}
+
+// Byte offset of 16-byte chunk c of row r in a [rows x 256 B] tile.
+__device__ __forceinline__ uint32_t swz(int r, int c) {
+  return (uint32_t)(r * kMmaKChunkBytes + ((c ^ (r & 7)) << 4));
+}
+
+// Loads one [BN x 256 B] doc tile (rows tok0 .. tok0+nvalid-1, bytes
+// kb0 .. kb0+255 of each row); everything else zero-filled.
+template <int VB, int BN, int NTH>
+__device__ __forceinline__ void load_doc_tile(const FwdParams& p, uint32_t sdst, int64_t tok0, int nvalid,
+                                              int kb0) {
+  constexpr int UPR = kMmaKChunkBytes / VB;  // units per row
+  static_assert(NTH % UPR == 0, "threads must cover whole rows");
+  constexpr int RSTEP = NTH / UPR;
+  constexpr int ITERS = BN / RSTEP;
+  static_assert(BN % RSTEP == 0, "tile rows");
+  const int uc = threadIdx.x % UPR;
+  const int r0 = threadIdx.x / UPR;
+  const int b = kb0 + uc * VB;
+  const bool colok = b < p.row_bytes;
+  const char* g = p.d + (tok0 + r0) * p.row_bytes + b;
+  const int64_t gstep = (int64_t)RSTEP * p.row_bytes;
+  const uint32_t inner = (uint32_t)((uc * VB) & 15);
+  const int c = (uc * VB) >> 4;
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    int r = r0 + it * RSTEP;
+    bool ok = colok && r < nvalid;
+    cp_async<VB>(sdst + swz(r, c) + inner, ok ? (const void*)g : (const void*)p.d, ok);
+    g += gstep;
+  }
+}
+
+// Loads the resident query tile [kch][BM][256 B].
+template <int VB, int BM, int NTH>
+__device__ __forceinline__ void load_query_tile(const FwdParams& p, uint32_t sdst, const long long* row_src) {
+  constexpr int UPR = kMmaKChunkBytes / VB;
+  static_assert(NTH % UPR == 0, "threads must cover whole rows");
+  constexpr int RSTEP = NTH / UPR;
+  const int uc = threadIdx.x % UPR;
+  const int r0 = threadIdx.x / UPR;
+  const uint32_t inner = (uint32_t)((uc * VB) & 15);
+  const int c = (uc * VB) >> 4;
+  for (int kc = 0; kc < p.kch; ++kc) {
+    const int b = kc * kMmaKChunkBytes + uc * VB;
+    const bool colok = b < p.row_bytes;
+    const uint32_t base = sdst + (uint32_t)(kc * BM * kMmaKChunkBytes);
+#pragma unroll 4
+    for (int r = r0; r < BM; r += RSTEP) {
+      long long src = row_src[r];
+      bool ok = colok && src >= 0;
+      const char* g = ok ? p.q + src * p.row_bytes + b : p.q;
+      cp_async<VB>(base + swz(r, c) + inner, g, ok);
+    }
+  }
+}
+
+template <typename T, class C, bool ARG>
+__global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, int64_t item0) {
+  constexpr int BM = C::BM, BN = C::BN, WM = C::WM, WN = C::WN, STAGES = C::STAGES, NTH = C::NTH;
+  constexpr int WTM = BM / WM, WTN = BN / WN;
+  constexpr int MT = WTM / 16, NT = WTN / 8;
+  constexpr int KSTEPS = kMmaKChunkBytes / 32;
+  static_assert(WTM % 16 == 0 && WTN % 16 == 0, "warp tile");
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ long long row_src[BM];
+  __shared__ unsigned char row_ok[BM];
+  __shared__ float red_b[WN][BM];
+  __shared__ int red_i[ARG ? WN : 1][BM];
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wm = warp / WN, wn = warp % WN;
+
+  const Work w = decode_work<BN>(p, item0 + blockIdx.x);
+  build_row_table<BM, NTH>(p, w, row_src, row_ok);
+  __syncthreads();
+
+  const uint32_t q_s = smem_u32(smem);
+  const uint32_t d_s = q_s + (uint32_t)(BM * p.kch * kMmaKChunkBytes);
+  constexpr uint32_t STAGE_BYTES = BN * kMmaKChunkBytes;
+
+  const int ntiles = (w.c1 - w.c0 + BN - 1) / BN;
+  const int total = ntiles * p.kch;
+  const int64_t tok_base = (int64_t)w.ds + w.c0;
+  const bool has_mask = p.d_mask != nullptr;
+
+  float best[MT][2];
+  int bidx[MT][2];
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      best[i][h] = neg_inf();
+      bidx[i][h] = -1;
+    }
+
+  if (total > 0) {
+    // Issue one stage load for flattened iteration `it` (tile it / kch, k chunk it % kch).
+    auto issue = [&](int it) {
+      int j = it / p.kch, kc = it - j * p.kch;
+      uint32_t dst = d_s + (uint32_t)((it % STAGES) * STAGE_BYTES);
+      int64_t tok0 = tok_base + (int64_t)j * BN;
+      int nvalid = min(BN, w.c1 - w.c0 - j * BN);
+      int kb0 = kc * kMmaKChunkBytes;
+      if (p.vecb == 16)
+        load_doc_tile<16, BN, NTH>(p, dst, tok0, nvalid, kb0);
+      else if (p.vecb == 8)
+        load_doc_tile<8, BN, NTH>(p, dst, tok0, nvalid, kb0);
+      else
+        load_doc_tile<4, BN, NTH>(p, dst, tok0, nvalid, kb0);
+    };
+
+    if (p.vecb == 16)
+      load_query_tile<16, BM, NTH>(p, q_s, row_src);
+    else if (p.vecb == 8)
+      load_query_tile<8, BM, NTH>(p, q_s, row_src);
+    else
+      load_query_tile<4, BM, NTH>(p, q_s, row_src);
+#pragma unroll
+    for (int st = 0; st < STAGES - 1; ++st) {
+      if (st < total) issue(st);
+      cp_async_commit();
+    }
+
+    float acc[MT][NT][4];
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+
+    // Per-lane ldmatrix offsets (row & 7 == lane & 7 for both operands).
+    const int sw = lane & 7;
+    const uint32_t a_row = (uint32_t)((wm * WTM + (lane & 15)) * kMmaKChunkBytes);
+    const int a_hi = lane >> 4;
+    const uint32_t b_row = (uint32_t)((wn * WTN + (lane & 7) + ((lane >> 4) << 3)) * kMmaKChunkBytes);
+    const int b_hi = (lane >> 3) & 1;
+
+    int j = 0, kc = 0;
+    uint32_t mbits = 0;  // doc-mask bits of this lane's columns in tile j
+    for (int it = 0; it < total; ++it) {
+      cp_async_wait<STAGES - 2>();
+      __syncthreads();
+      if (it + STAGES - 1 < total) issue(it + STAGES - 1);
+      cp_async_commit();
+
+      const int n0 = w.c0 + j * BN;  // first token (within the doc) of tile j
+      const int colbase = n0 + wn * WTN + 2 * (lane & 3);
+      if (has_mask && kc == 0) {
+        mbits = 0;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            int col = colbase + nt * 8 + e;
+            if (col < w.c1 && p.d_mask[(int64_t)w.ds + col]) mbits |= 1u << (nt * 2 + e);
+          }
+      }
+
+      const uint32_t a_base = q_s + (uint32_t)(kc * BM * kMmaKChunkBytes) + a_row;
+      const uint32_t b_base = d_s + (uint32_t)((it % STAGES) * STAGE_BYTES) + b_row;
+#pragma unroll
+      for (int ks = 0; ks < KSTEPS; ++ks) {
+        uint32_t af[MT][4], bfr[NT][2];
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+          ldsm_x4(af[i][0], af[i][1], af[i][2], af[i][3],
+                  a_base + (uint32_t)(i * 16 * kMmaKChunkBytes) + (((ks * 2 + a_hi) ^ sw) << 4));
+#pragma unroll
+        for (int np = 0; np < NT / 2; ++np)
+          ldsm_x4(bfr[2 * np][0], bfr[2 * np][1], bfr[2 * np + 1][0], bfr[2 * np + 1][1],
+                  b_base + (uint32_t)(np * 16 * kMmaKChunkBytes) + (((ks * 2 + b_hi) ^ sw) << 4));
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+          for (int jn = 0; jn < NT; ++jn) Mma<T>::run(acc[i][jn], af[i], bfr[jn]);
+      }
+
+      if (++kc == p.kch) {
+        // Fold tile j into the running row maxima.
+        const bool fast = !has_mask && n0 + BN <= w.c1;
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int jn = 0; jn < NT; ++jn)
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                float v = acc[i][jn][h * 2 + e];
+                int col = colbase + jn * 8 + e;
+                if (!fast) {
+                  bool valid = has_mask ? ((mbits >> (jn * 2 + e)) & 1u) != 0 : col < w.c1;
+                  v = valid ? v : neg_inf();
+                }
+                if (ARG)
+                  upd_arg(best[i][h], bidx[i][h], v, col);
+                else
+                  best[i][h] = max_nan(best[i][h], v);
+              }
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+          for (int jn = 0; jn < NT; ++jn)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][jn][e] = 0.f;
+        kc = 0;
+        ++j;
+      }
+    }
+    cp_async_wait_all();
+  }
+
+  // Reduce across the 4 lanes of a quad (same rows, different columns) ...
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int o = 1; o <= 2; o <<= 1) {
+        float ob = __shfl_xor_sync(0xffffffffu, best[i][h], o);
+        if (ARG) {
+          int oi = __shfl_xor_sync(0xffffffffu, bidx[i][h], o);
+          merge_arg(best[i][h], bidx[i][h], ob, oi);
+        } else {
+          best[i][h] = max_nan(best[i][h], ob);
+        }
+      }
+      if ((lane & 3) == 0) {
+        int row = wm * WTM + i * 16 + h * 8 + (lane >> 2);
+        red_b[wn][row] = best[i][h];
+        if (ARG) red_i[wn][row] = bidx[i][h];
+      }
+    }
+  __syncthreads();
+  // ... then across the WN warps of a row block, in column order.
+  if (WN > 1) {
+    for (int r = tid; r < BM; r += NTH) {
+      float b = red_b[0][r];
+      int ix = ARG ? red_i[0][r] : 0;
+#pragma unroll
+      for (int x = 1; x < WN; ++x) {
+        if (ARG)
+          merge_arg(b, ix, red_b[x][r], red_i[x][r]);
+        else
+          b = max_nan(b, red_b[x][r]);
+      }
+      red_b[0][r] = b;
+      if (ARG) red_i[0][r] = ix;
+    }
+    __syncthreads();
+  }
+  finish_tile<BM, NTH, ARG>(p, w, red_b[0], red_i[0], row_ok);
+}
+
+}  // namespace cuda_fwd
+}  // namespace maxsim
+
+// ---------------------------------------------------------------------------
+// Launch helpers (instantiated per dtype in forward_mma_<dtype>.cu).
+// ---------------------------------------------------------------------------
+namespace maxsim {
+namespace cuda_fwd {
+
+template <typename T, int CFG, bool ARG>
+inline void prepare_mma(size_t smem) {
+  using C = typename MmaCfgOf<CFG>::type;
+  static int set_bytes[64] = {0};  // per device, raised monotonically
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev < 64 && (int)smem > set_bytes[dev]) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(mma_fwd_kernel<T, C, ARG>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        (int)smem));
+    set_bytes[dev] = (int)smem;
+  }
+}
+
+template <typename T, int CFG, bool ARG>
+inline void launch_mma_cfg(const FwdParams& p, int64_t item0, int64_t nitems, size_t smem, cudaStream_t stream) {
+  using C = typename MmaCfgOf<CFG>::type;
+  prepare_mma<T, CFG, ARG>(smem);
+  mma_fwd_kernel<T, C, ARG><<<(unsigned)nitems, C::NTH, smem, stream>>>(p, item0);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T, int CFG, bool ARG>
+inline int mma_occupancy_cfg(size_t smem) {
+  using C = typename MmaCfgOf<CFG>::type;
+  prepare_mma<T, CFG, ARG>(smem);
+  int n = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, mma_fwd_kernel<T, C, ARG>, C::NTH, smem));
+  return n;
+}
+
+// Runtime dispatch over (config, argmax); defined per dtype.
+template <typename T>
+void run_mma(int cfg, bool arg, const FwdParams& p, int64_t item0, int64_t nitems, size_t smem,
+             cudaStream_t stream);
+template <typename T>
+int occupancy_mma(int cfg, bool arg, size_t smem);
+
+#define MAXSIM_DEFINE_MMA_RUNNERS(T)                                                                  \
+  template <>                                                                                         \
+  void run_mma<T>(int cfg, bool arg, const FwdParams& p, int64_t item0, int64_t nitems, size_t smem, \
+                  cudaStream_t stream) {                                                              \
+    switch (cfg * 2 + (arg ? 1 : 0)) {                                                                \
+      case 0: launch_mma_cfg<T, 0, false>(p, item0, nitems, smem, stream); break;                     \
+      case 1: launch_mma_cfg<T, 0, true>(p, item0, nitems, smem, stream); break;                      \
+      case 2: launch_mma_cfg<T, 1, false>(p, item0, nitems, smem, stream); break;                     \
+      case 3: launch_mma_cfg<T, 1, true>(p, item0, nitems, smem, stream); break;                      \
+      case 4: launch_mma_cfg<T, 2, false>(p, item0, nitems, smem, stream); break;                     \
+      case 5: launch_mma_cfg<T, 2, true>(p, item0, nitems, smem, stream); break;                      \
+      case 6: launch_mma_cfg<T, 3, false>(p, item0, nitems, smem, stream); break;                     \
+      default: launch_mma_cfg<T, 3, true>(p, item0, nitems, smem, stream); break;                     \
+    }                                                                                                 \
+  }                                                                                                   \
+  template <>                                                                                         \
+  int occupancy_mma<T>(int cfg, bool arg, size_t smem) {                                              \
+    switch (cfg * 2 + (arg ? 1 : 0)) {                                                                \
+      case 0: return mma_occupancy_cfg<T, 0, false>(smem);                                            \
+      case 1: return mma_occupancy_cfg<T, 0, true>(smem);                                             \
+      case 2: return mma_occupancy_cfg<T, 1, false>(smem);                                            \
+      case 3: return mma_occupancy_cfg<T, 1, true>(smem);                                             \
+      case 4: return mma_occupancy_cfg<T, 2, false>(smem);                                            \
+      case 5: return mma_occupancy_cfg<T, 2, true>(smem);                                             \
+      case 6: return mma_occupancy_cfg<T, 3, false>(smem);                                            \
+      default: return mma_occupancy_cfg<T, 3, true>(smem);                                            \
+    }                                                                                                 \
+  }
+
+}  // namespace cuda_fwd
+}  // namespace maxsim
