@@ -291,60 +291,6 @@ __device__ __forceinline__ void finish_tile(const FwdParams& p, const Work& w, c
   }
 }
 
-__device__ __forceinline__ bool pair_ok(const FwdParams& p, int64_t pr, int& qs, int& ql) {
-  int64_t n, dn;
-  pair_ids(p, pr, n, dn);
-  int ds, dl;
-  bool ok = query_ok(p, n, qs, ql);
-  return doc_ok(p, dn, ds, dl) && ok;
-}
-
-// row_mode 1: score = sum of the tpq tile partials, in tile order.
-__global__ void __launch_bounds__(256) finalize_partial_kernel(FwdParams p) {
-  int64_t pr = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (pr >= p.P) return;
-  int qs, ql;
-  bool ok = pair_ok(p, pr, qs, ql);
-  float sum = 0.f;
-  for (int t = 0; t < p.tpq; ++t) sum += p.ws_best[(int64_t)t * p.P + pr];
-  p.scores[pr] = ok ? sum : __int_as_float(0x7fc00000);
-}
-
-// row_mode 2: one warp per pair merges the S split partials of each row (in
-// split order), sums the rows in a fixed order, writes score and argmax.
-// With S == 0 it only writes 0 / NaN scores and -1 argmax (lq == 0).
-template <bool ARG>
-__global__ void __launch_bounds__(256) finalize_rows_kernel(FwdParams p) {
-  int64_t pr = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  const int lane = threadIdx.x & 31;
-  if (pr >= p.P) return;
-  int qs, ql;
-  bool ok = pair_ok(p, pr, qs, ql);
-  float sum = 0.f;
-  for (int i = lane; i < p.lq; i += 32) {
-    int out = -1;
-    if (ok && i < ql && (p.q_mask == nullptr || p.q_mask[(int64_t)qs + i])) {
-      float b = neg_inf();
-      int ix = -1;
-      for (int s = 0; s < p.S; ++s) {
-        int64_t o = ((int64_t)s * p.P + pr) * p.lq + i;
-        float v = p.ws_best[o];
-        if (ARG)
-          merge_arg(b, ix, v, p.ws_idx[o]);
-        else
-          b = max_nan(b, v);
-      }
-      if (b != neg_inf()) {
-        sum += b;
-        out = ix;
-      }
-    }
-    if (ARG) store_argmax(p, pr * p.lq + i, out);
-  }
-  sum = warp_sum(sum);
-  if (lane == 0) p.scores[pr] = ok ? sum : __int_as_float(0x7fc00000);
-}
-
 // ---------------------------------------------------------------------------
 // PTX wrappers.
 // ---------------------------------------------------------------------------

@@ -41,6 +41,60 @@ void set_forced_config(int cfg, int splits) {
 
 namespace {
 
+__device__ __forceinline__ bool pair_ok(const FwdParams& p, int64_t pr, int& qs, int& ql) {
+  int64_t n, dn;
+  pair_ids(p, pr, n, dn);
+  int ds, dl;
+  bool ok = query_ok(p, n, qs, ql);
+  return doc_ok(p, dn, ds, dl) && ok;
+}
+
+// row_mode 1: score = sum of the tpq tile partials, in tile order.
+__global__ void __launch_bounds__(256) finalize_partial_kernel(FwdParams p) {
+  int64_t pr = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (pr >= p.P) return;
+  int qs, ql;
+  bool ok = pair_ok(p, pr, qs, ql);
+  float sum = 0.f;
+  for (int t = 0; t < p.tpq; ++t) sum += p.ws_best[(int64_t)t * p.P + pr];
+  p.scores[pr] = ok ? sum : __int_as_float(0x7fc00000);
+}
+
+// row_mode 2: one warp per pair merges the S split partials of each row (in
+// split order), sums the rows in a fixed order, writes score and argmax.
+// With S == 0 it only writes 0 / NaN scores and -1 argmax (lq == 0).
+template <bool ARG>
+__global__ void __launch_bounds__(256) finalize_rows_kernel(FwdParams p) {
+  int64_t pr = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (pr >= p.P) return;
+  int qs, ql;
+  bool ok = pair_ok(p, pr, qs, ql);
+  float sum = 0.f;
+  for (int i = lane; i < p.lq; i += 32) {
+    int out = -1;
+    if (ok && i < ql && (p.q_mask == nullptr || p.q_mask[(int64_t)qs + i])) {
+      float b = neg_inf();
+      int ix = -1;
+      for (int s = 0; s < p.S; ++s) {
+        int64_t o = ((int64_t)s * p.P + pr) * p.lq + i;
+        float v = p.ws_best[o];
+        if (ARG)
+          merge_arg(b, ix, v, p.ws_idx[o]);
+        else
+          b = max_nan(b, v);
+      }
+      if (b != neg_inf()) {
+        sum += b;
+        out = ix;
+      }
+    }
+    if (ARG) store_argmax(p, pr * p.lq + i, out);
+  }
+  sum = warp_sum(sum);
+  if (lane == 0) p.scores[pr] = ok ? sum : __int_as_float(0x7fc00000);
+}
+
 void run_mma_any(at::ScalarType t, int cfg, bool arg, const FwdParams& p, int64_t item0, int64_t n, size_t smem,
                  cudaStream_t st) {
   if (t == at::kHalf)
@@ -72,15 +126,12 @@ int occupancy_simt_any(at::ScalarType t, bool arg) {
   return occupancy_simt_t<float>(arg);
 }
 
-// Static shared memory of the MMA kernel (row table + cross-warp reduction).
-size_t mma_static_smem(int cfg) {
-  int bm = mma_cfg_bm(cfg);
-  int wn = 2;
-  if (cfg == 0) wn = 4;
-  return (size_t)bm * (8 + 1 + 8 * wn) + 64;
-}
-
 // Tile configuration from the shape (see forward_mma.cuh for the shapes).
+// Measured on H100 (bf16, dim 128, goal shapes): config 0 is best for
+// lq <= 32 (memory bound); config 2 (4 warps, 64x32 warp tiles) beats the
+// 8-warp configs 3 / 4 on every compute-heavy goal shape, so it takes the
+// stacked-query CROSS case and lq > 64.
+// Plug-in point: a wgmma (sm_90a) path for large lq would be selected here.
 int choose_mma_cfg(int64_t layout, int64_t nq, int64_t lq) {
   if (layout == kCross && nq > 1) {
     // Stack several queries in one M tile so each doc tile feeds many queries.
@@ -90,7 +141,6 @@ int choose_mma_cfg(int64_t layout, int64_t nq, int64_t lq) {
   }
   if (lq <= 32) return 0;
   if (lq <= 64) return 1;
-  if (lq >= 256) return 3;
   return 2;
 }
 
@@ -240,10 +290,10 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q_in, const at
     while (true) {
       smem = mma_smem_bytes(cfg, kch);
       if (smem + mma_static_smem(cfg) <= smem_optin) break;
-      if (cfg == 3)
-        cfg = 2;
-      else if (cfg > 0)
-        cfg = cfg == 2 ? 1 : 0;
+      if (mma_cfg_info(cfg).bm == 128)  // 128-row tiles -> 64 -> 32
+        cfg = 1;
+      else if (cfg == 1)
+        cfg = 0;
       else {
         cfg = -1;
         break;
@@ -253,8 +303,8 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q_in, const at
   }
   if (g_forced_cfg == -2) use_mma = false;
 
-  const int bm = use_mma ? mma_cfg_bm(cfg) : kSimtBM;
-  const int bn = use_mma ? mma_cfg_bn(cfg) : kSimtBN;
+  const int bm = use_mma ? mma_cfg_info(cfg).bm : kSimtBM;
+  const int bn = use_mma ? mma_cfg_info(cfg).bn : kSimtBN;
   if (lq <= bm) {
     p.qpt = layout == kCross ? (int)std::max<int64_t>(1, std::min<int64_t>(bm / lq, Nq)) : 1;
     p.tpq = 1;

@@ -29,11 +29,12 @@ struct MmaShape {
 };
 
 // The configurations the host dispatches between (index = config id).
-using MmaCfg0 = MmaShape<32, 64, 1, 4, 4, 3>;    // small Lq, memory bound
-using MmaCfg1 = MmaShape<64, 64, 2, 2, 4, 2>;    // Lq <= 64
-using MmaCfg2 = MmaShape<128, 64, 2, 2, 3, 2>;   // stacked queries / long queries
-using MmaCfg3 = MmaShape<128, 128, 2, 2, 3, 1>;  // compute bound (64x64 warp tiles)
-constexpr int kNumMmaCfgs = 4;
+using MmaCfg0 = MmaShape<32, 64, 1, 4, 4, 3>;    // 4 warps, 32x16 warp tiles: small lq, memory bound
+using MmaCfg1 = MmaShape<64, 64, 2, 2, 4, 2>;    // 4 warps, 32x32 warp tiles: lq <= 64
+using MmaCfg2 = MmaShape<128, 64, 2, 2, 3, 2>;   // 4 warps, 64x32 warp tiles
+using MmaCfg3 = MmaShape<128, 128, 2, 4, 3, 1>;  // 8 warps, 64x32 warp tiles
+using MmaCfg4 = MmaShape<128, 64, 4, 2, 3, 2>;   // 8 warps, 32x32 warp tiles
+constexpr int kNumMmaCfgs = 5;
 
 template <int CFG>
 struct MmaCfgOf;
@@ -53,16 +54,38 @@ template <>
 struct MmaCfgOf<3> {
   using type = MmaCfg3;
 };
+template <>
+struct MmaCfgOf<4> {
+  using type = MmaCfg4;
+};
 
-__host__ __device__ constexpr int mma_cfg_bm(int c) { return c == 0 ? 32 : c == 1 ? 64 : 128; }
-__host__ __device__ constexpr int mma_cfg_bn(int c) { return c == 3 ? 128 : 64; }
-__host__ __device__ constexpr int mma_cfg_stages(int c) { return c <= 1 ? 4 : 3; }
-
-inline size_t mma_smem_bytes(int cfg, int kch) {
-  return (size_t)mma_cfg_bm(cfg) * kch * kMmaKChunkBytes +
-         (size_t)mma_cfg_stages(cfg) * mma_cfg_bn(cfg) * kMmaKChunkBytes;
+struct MmaCfgInfo {
+  int bm, bn, wn, stages, nth;
+};
+template <class C>
+constexpr MmaCfgInfo mma_info_of() {
+  return MmaCfgInfo{C::BM, C::BN, C::WN, C::STAGES, C::NTH};
+}
+inline MmaCfgInfo mma_cfg_info(int cfg) {
+  switch (cfg) {
+    case 0: return mma_info_of<MmaCfg0>();
+    case 1: return mma_info_of<MmaCfg1>();
+    case 2: return mma_info_of<MmaCfg2>();
+    case 3: return mma_info_of<MmaCfg3>();
+    default: return mma_info_of<MmaCfg4>();
+  }
 }
 
+// Dynamic shared memory: resident query tile + the doc stage ring.
+inline size_t mma_smem_bytes(int cfg, int kch) {
+  MmaCfgInfo c = mma_cfg_info(cfg);
+  return (size_t)c.bm * kch * kMmaKChunkBytes + (size_t)c.stages * c.bn * kMmaKChunkBytes;
+}
+// Upper bound of the kernel's static shared memory.
+inline size_t mma_static_smem(int cfg) {
+  MmaCfgInfo c = mma_cfg_info(cfg);
+  return (size_t)c.bm * 9 + (size_t)2 * c.wn * c.bm * 4 + (size_t)c.stages * c.bn + 256;
+}
 // Byte offset of 16-byte chunk c of row r in a [rows x 256 B] tile.
 __device__ __forceinline__ uint32_t swz(int r, int c) {
   return (uint32_t)(r * kMmaKChunkBytes + ((c ^ (r & 7)) << 4));
@@ -126,12 +149,15 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
   constexpr int MT = WTM / 16, NT = WTN / 8;
   constexpr int KSTEPS = kMmaKChunkBytes / 32;
   static_assert(WTM % 16 == 0 && WTN % 16 == 0, "warp tile");
+  static_assert(BN <= NTH, "one mask byte per thread");
+  static_assert(STAGES >= 3, "mask prefetch needs >= 3 stages");
 
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ long long row_src[BM];
   __shared__ unsigned char row_ok[BM];
   __shared__ float red_b[WN][BM];
   __shared__ int red_i[ARG ? WN : 1][BM];
+  __shared__ unsigned char mask_s[STAGES][BN];  // doc-mask ring (tile j -> slot j % STAGES)
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp / WN, wn = warp % WN;
@@ -160,8 +186,14 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
     }
 
   if (total > 0) {
-    // Issue one stage load for flattened iteration `it` (tile it / kch, k chunk it % kch).
-    auto issue = [&](int it) {
+    // Doc-mask prefetch: the byte for tile row `tid` is loaded into a register
+    // when the tile's first k chunk is issued and stored to mask_s one
+    // iteration later (its consumer is >= 1 barrier after that).
+    unsigned char pend_mask = 0;
+    int pend_slot = -1;
+
+    // Issue the stage load for flattened iteration `it` (tile it / kch, k chunk it % kch).
+    auto issue = [&](int it, bool defer_mask) {
       int j = it / p.kch, kc = it - j * p.kch;
       uint32_t dst = d_s + (uint32_t)((it % STAGES) * STAGE_BYTES);
       int64_t tok0 = tok_base + (int64_t)j * BN;
@@ -173,6 +205,15 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
         load_doc_tile<8, BN, NTH>(p, dst, tok0, nvalid, kb0);
       else
         load_doc_tile<4, BN, NTH>(p, dst, tok0, nvalid, kb0);
+      if (has_mask && kc == 0 && tid < BN) {
+        unsigned char m = (tid < nvalid && p.d_mask[tok0 + tid]) ? 1 : 0;
+        if (defer_mask) {
+          pend_mask = m;
+          pend_slot = j % STAGES;
+        } else {
+          mask_s[j % STAGES][tid] = m;
+        }
+      }
     };
 
     if (p.vecb == 16)
@@ -183,7 +224,7 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
       load_query_tile<4, BM, NTH>(p, q_s, row_src);
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) {
-      if (st < total) issue(st);
+      if (st < total) issue(st, false);
       cp_async_commit();
     }
 
@@ -202,68 +243,79 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
     const uint32_t b_row = (uint32_t)((wn * WTN + (lane & 7) + ((lane >> 4) << 3)) * kMmaKChunkBytes);
     const int b_hi = (lane >> 3) & 1;
 
-    int j = 0, kc = 0;
-    uint32_t mbits = 0;  // doc-mask bits of this lane's columns in tile j
+    int j = 0, kc = 0, slot = 0;
     for (int it = 0; it < total; ++it) {
       cp_async_wait<STAGES - 2>();
       __syncthreads();
-      if (it + STAGES - 1 < total) issue(it + STAGES - 1);
+      if (pend_slot >= 0) {
+        mask_s[pend_slot][tid] = pend_mask;
+        pend_slot = -1;
+      }
+      if (it + STAGES - 1 < total) issue(it + STAGES - 1, true);
       cp_async_commit();
 
-      const int n0 = w.c0 + j * BN;  // first token (within the doc) of tile j
-      const int colbase = n0 + wn * WTN + 2 * (lane & 3);
-      if (has_mask && kc == 0) {
-        mbits = 0;
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            int col = colbase + nt * 8 + e;
-            if (col < w.c1 && p.d_mask[(int64_t)w.ds + col]) mbits |= 1u << (nt * 2 + e);
-          }
-      }
-
       const uint32_t a_base = q_s + (uint32_t)(kc * BM * kMmaKChunkBytes) + a_row;
-      const uint32_t b_base = d_s + (uint32_t)((it % STAGES) * STAGE_BYTES) + b_row;
-#pragma unroll
-      for (int ks = 0; ks < KSTEPS; ++ks) {
-        uint32_t af[MT][4], bfr[NT][2];
+      const uint32_t b_base = d_s + (uint32_t)(slot * STAGE_BYTES) + b_row;
+      // Fragments double-buffered in registers across the k steps.
+      uint32_t af[2][MT][4], bfr[2][NT][2];
+      auto load_frags = [&](int buf, int ks) {
 #pragma unroll
         for (int i = 0; i < MT; ++i)
-          ldsm_x4(af[i][0], af[i][1], af[i][2], af[i][3],
+          ldsm_x4(af[buf][i][0], af[buf][i][1], af[buf][i][2], af[buf][i][3],
                   a_base + (uint32_t)(i * 16 * kMmaKChunkBytes) + (((ks * 2 + a_hi) ^ sw) << 4));
 #pragma unroll
         for (int np = 0; np < NT / 2; ++np)
-          ldsm_x4(bfr[2 * np][0], bfr[2 * np][1], bfr[2 * np + 1][0], bfr[2 * np + 1][1],
+          ldsm_x4(bfr[buf][2 * np][0], bfr[buf][2 * np][1], bfr[buf][2 * np + 1][0], bfr[buf][2 * np + 1][1],
                   b_base + (uint32_t)(np * 16 * kMmaKChunkBytes) + (((ks * 2 + b_hi) ^ sw) << 4));
+      };
+      load_frags(0, 0);
+#pragma unroll
+      for (int ks = 0; ks < KSTEPS; ++ks) {
+        if (ks + 1 < KSTEPS) load_frags((ks + 1) & 1, ks + 1);
 #pragma unroll
         for (int i = 0; i < MT; ++i)
 #pragma unroll
-          for (int jn = 0; jn < NT; ++jn) Mma<T>::run(acc[i][jn], af[i], bfr[jn]);
+          for (int jn = 0; jn < NT; ++jn) Mma<T>::run(acc[i][jn], af[ks & 1][i], bfr[ks & 1][jn]);
       }
 
       if (++kc == p.kch) {
-        // Fold tile j into the running row maxima.
-        const bool fast = !has_mask && n0 + BN <= w.c1;
+        // Fold tile j into the running row maxima (columns in increasing order).
+        const int n0 = w.c0 + j * BN;  // first token (within the doc) of tile j
+        const int colbase = n0 + wn * WTN + 2 * (lane & 3);
+        if (!has_mask && n0 + BN <= w.c1) {
 #pragma unroll
-        for (int i = 0; i < MT; ++i)
+          for (int i = 0; i < MT; ++i)
 #pragma unroll
-          for (int h = 0; h < 2; ++h)
+            for (int h = 0; h < 2; ++h)
 #pragma unroll
-            for (int jn = 0; jn < NT; ++jn)
+              for (int jn = 0; jn < NT; ++jn)
 #pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                float v = acc[i][jn][h * 2 + e];
-                int col = colbase + jn * 8 + e;
-                if (!fast) {
-                  bool valid = has_mask ? ((mbits >> (jn * 2 + e)) & 1u) != 0 : col < w.c1;
-                  v = valid ? v : neg_inf();
+                for (int e = 0; e < 2; ++e) {
+                  if (ARG)
+                    upd_arg(best[i][h], bidx[i][h], acc[i][jn][h * 2 + e], colbase + jn * 8 + e);
+                  else
+                    best[i][h] = max_nan(best[i][h], acc[i][jn][h * 2 + e]);
                 }
-                if (ARG)
-                  upd_arg(best[i][h], bidx[i][h], v, col);
-                else
-                  best[i][h] = max_nan(best[i][h], v);
-              }
+        } else {
+          const unsigned char* ms = &mask_s[j % STAGES][wn * WTN + 2 * (lane & 3)];
+#pragma unroll
+          for (int jn = 0; jn < NT; ++jn)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int col = colbase + jn * 8 + e;
+              const bool valid = has_mask ? ms[jn * 8 + e] != 0 : col < w.c1;
+#pragma unroll
+              for (int i = 0; i < MT; ++i)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                  float v = valid ? acc[i][jn][h * 2 + e] : neg_inf();
+                  if (ARG)
+                    upd_arg(best[i][h], bidx[i][h], v, col);
+                  else
+                    best[i][h] = max_nan(best[i][h], v);
+                }
+            }
+        }
 #pragma unroll
         for (int i = 0; i < MT; ++i)
 #pragma unroll
@@ -273,6 +325,7 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
         kc = 0;
         ++j;
       }
+      if (++slot == STAGES) slot = 0;
     }
     cp_async_wait_all();
   }
@@ -365,33 +418,30 @@ void run_mma(int cfg, bool arg, const FwdParams& p, int64_t item0, int64_t nitem
 template <typename T>
 int occupancy_mma(int cfg, bool arg, size_t smem);
 
+#define MAXSIM_MMA_CASES(F, ...)      \
+  case 0: F(0, false, __VA_ARGS__);   \
+  case 1: F(0, true, __VA_ARGS__);    \
+  case 2: F(1, false, __VA_ARGS__);   \
+  case 3: F(1, true, __VA_ARGS__);    \
+  case 4: F(2, false, __VA_ARGS__);   \
+  case 5: F(2, true, __VA_ARGS__);    \
+  case 6: F(3, false, __VA_ARGS__);   \
+  case 7: F(3, true, __VA_ARGS__);    \
+  case 8: F(4, false, __VA_ARGS__);   \
+  default: F(4, true, __VA_ARGS__);
+
+#define MAXSIM_MMA_LAUNCH(CFG, ARG, T) return launch_mma_cfg<T, CFG, ARG>(p, item0, nitems, smem, stream)
+#define MAXSIM_MMA_OCC(CFG, ARG, T) return mma_occupancy_cfg<T, CFG, ARG>(smem)
+
 #define MAXSIM_DEFINE_MMA_RUNNERS(T)                                                                  \
   template <>                                                                                         \
   void run_mma<T>(int cfg, bool arg, const FwdParams& p, int64_t item0, int64_t nitems, size_t smem, \
                   cudaStream_t stream) {                                                              \
-    switch (cfg * 2 + (arg ? 1 : 0)) {                                                                \
-      case 0: launch_mma_cfg<T, 0, false>(p, item0, nitems, smem, stream); break;                     \
-      case 1: launch_mma_cfg<T, 0, true>(p, item0, nitems, smem, stream); break;                      \
-      case 2: launch_mma_cfg<T, 1, false>(p, item0, nitems, smem, stream); break;                     \
-      case 3: launch_mma_cfg<T, 1, true>(p, item0, nitems, smem, stream); break;                      \
-      case 4: launch_mma_cfg<T, 2, false>(p, item0, nitems, smem, stream); break;                     \
-      case 5: launch_mma_cfg<T, 2, true>(p, item0, nitems, smem, stream); break;                      \
-      case 6: launch_mma_cfg<T, 3, false>(p, item0, nitems, smem, stream); break;                     \
-      default: launch_mma_cfg<T, 3, true>(p, item0, nitems, smem, stream); break;                     \
-    }                                                                                                 \
+    switch (cfg * 2 + (arg ? 1 : 0)) { MAXSIM_MMA_CASES(MAXSIM_MMA_LAUNCH, T) }                       \
   }                                                                                                   \
   template <>                                                                                         \
   int occupancy_mma<T>(int cfg, bool arg, size_t smem) {                                              \
-    switch (cfg * 2 + (arg ? 1 : 0)) {                                                                \
-      case 0: return mma_occupancy_cfg<T, 0, false>(smem);                                            \
-      case 1: return mma_occupancy_cfg<T, 0, true>(smem);                                             \
-      case 2: return mma_occupancy_cfg<T, 1, false>(smem);                                            \
-      case 3: return mma_occupancy_cfg<T, 1, true>(smem);                                             \
-      case 4: return mma_occupancy_cfg<T, 2, false>(smem);                                            \
-      case 5: return mma_occupancy_cfg<T, 2, true>(smem);                                             \
-      case 6: return mma_occupancy_cfg<T, 3, false>(smem);                                            \
-      default: return mma_occupancy_cfg<T, 3, true>(smem);                                            \
-    }                                                                                                 \
+    switch (cfg * 2 + (arg ? 1 : 0)) { MAXSIM_MMA_CASES(MAXSIM_MMA_OCC, T) }                          \
   }
 
 }  // namespace cuda_fwd
