@@ -24,6 +24,7 @@
 
 #include "forward_mma.cuh"
 #include "forward_simt.cuh"
+#include "forward_wgmma.cuh"
 #include "torch_binding.h"
 
 namespace maxsim {
@@ -103,6 +104,20 @@ void run_mma_any(at::ScalarType t, int cfg, bool arg, const FwdParams& p, int64_
     run_mma<__nv_bfloat16>(cfg, arg, p, item0, n, smem, st);
   else
     run_mma<float>(cfg, arg, p, item0, n, smem, st);
+}
+
+bool wgmma_ready_any(at::ScalarType t, int64_t dim, bool arg) {
+  if (t == at::kHalf) return run_wgmma_available<__half>(dim, arg);
+  if (t == at::kBFloat16) return run_wgmma_available<__nv_bfloat16>(dim, arg);
+  return false;
+}
+
+void run_wgmma_any(at::ScalarType t, bool arg, const FwdParams& p, int64_t dim, int64_t item0, int64_t n,
+                   int num_sms, cudaStream_t st) {
+  if (t == at::kHalf)
+    run_wgmma<__half>(arg, p, dim, item0, n, num_sms, st);
+  else
+    run_wgmma<__nv_bfloat16>(arg, p, dim, item0, n, num_sms, st);
 }
 
 int occupancy_mma_any(at::ScalarType t, int cfg, bool arg, size_t smem) {
@@ -302,9 +317,13 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q_in, const at
     if (cfg < 0) use_mma = false;
   }
   if (g_forced_cfg == -2) use_mma = false;
+  // sm_90a wgmma + TMA kernel when its 128-row M tile is (nearly) full.
+  const int64_t wg_rows = layout == kCross ? std::min<int64_t>(Nq * lq, kWgBM) : std::min<int64_t>(lq, kWgBM);
+  const bool use_wg = use_mma && dtype != at::kFloat && g_forced_cfg < 0 && prop->major == 9 &&
+                      wg_rows >= kWgBM && wgmma_shape_ok(p, dim, esz) && wgmma_ready_any(dtype, dim, arg);
 
-  const int bm = use_mma ? mma_cfg_info(cfg).bm : kSimtBM;
-  const int bn = use_mma ? mma_cfg_info(cfg).bn : kSimtBN;
+  const int bm = use_wg ? kWgBM : use_mma ? mma_cfg_info(cfg).bm : kSimtBM;
+  const int bn = use_wg ? kWgBN : use_mma ? mma_cfg_info(cfg).bn : kSimtBN;
   if (lq <= bm) {
     p.qpt = layout == kCross ? (int)std::max<int64_t>(1, std::min<int64_t>(bm / lq, Nq)) : 1;
     p.tpq = 1;
@@ -319,7 +338,7 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q_in, const at
   const int64_t items_base = U * p.mt_total;
 
   // ---- doc splits for parallelism (few work items, long docs) ---------------
-  const int occ = std::max(1, use_mma ? occupancy_mma_any(dtype, cfg, arg, smem) : occupancy_simt_any(dtype, arg));
+  const int occ = use_wg ? 1 : std::max(1, use_mma ? occupancy_mma_any(dtype, cfg, arg, smem) : occupancy_simt_any(dtype, arg));
   const int64_t slots = (int64_t)occ * num_sms;
   int S = 1;
   if (g_forced_splits > 0) {
@@ -351,7 +370,9 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q_in, const at
   constexpr int64_t kMaxGrid = (int64_t)1 << 30;
   for (int64_t item0 = 0; item0 < total_items; item0 += kMaxGrid) {
     const int64_t n = std::min(kMaxGrid, total_items - item0);
-    if (use_mma)
+    if (use_wg)
+      run_wgmma_any(dtype, arg, p, dim, item0, n, num_sms, stream);
+    else if (use_mma)
       run_mma_any(dtype, cfg, arg, p, item0, n, smem, stream);
     else
       run_simt_any(dtype, arg, p, item0, n, stream);

@@ -235,6 +235,9 @@ def check_cuda_compile(archs: list[str]) -> None:
     gen = Path(tempfile.mkdtemp(prefix="maxsim-gen-"))
     (gen / "registration.h").write_text(REGISTRATION_H)
     inc.append(f"-I{gen}")
+    # Headers a CPU-only machine lacks (CUDA math libraries, torch's generated
+    # CUDA config); searched after torch's and the toolkit's own.
+    inc.append(f"-I{ROOT / 'tools' / 'cuda_compile_stubs'}")
     cutlass = os.environ.get("CUTLASS_INCLUDE")
     if cutlass:
         inc.append(f"-I{cutlass}")

@@ -135,8 +135,9 @@ def _offset_segments(offsets: Tensor, total: int) -> tuple[Tensor, Tensor]:
     start, end = off[:-1], off[1:]
     length = end - start
     bad = (length < 0) | (start < 0) | (end > total)
-    # A mis-sized offsets vector poisons every segment: its layout is unknown.
-    bad = bad | (off[0] != 0) | (off[-1] != total)
+    # Offsets that do not start at 0, end at the token count and never
+    # decrease describe no layout (segments would overlap): poison all.
+    bad = bad | (off[0] != 0) | (off[-1] != total) | bad.any()
     return start.clamp(0, max(total, 0)).to(torch.int32), torch.where(bad, -1, length).to(torch.int32)
 
 

@@ -1,0 +1,637 @@
+// CUDA backward kernels of maxsim (contract: torch-ext/torch_binding.h).
+//
+// Deterministic and atomic-free: every output row has exactly one owner (a
+// lane group of one CTA) that sums its contributions in a fixed order, and
+// every row of dq / dd is written exactly once per call (so the outputs need
+// no memset), as long as the segments of each side are sorted by start and
+// the valid ones do not overlap (what every Python lowering produces):
+//   * rows of a valid segment are written by the segment's owner (zero when
+//     no pair selects them);
+//   * the "gap" after segment n, [start_n + rows_n, start_{n+1}) (to the end
+//     of the tensor for the last one, plus [0, start_0) for segment 0), is
+//     zeroed by the CTAs of segment n. These tile the tensor.
+//
+// dq_kernel (a gather): CTA = (query n, block of BR query rows, dim chunk).
+//   Lane group (slice s, row r) accumulates, in fp32 registers,
+//   grad[p] * d[doc(p) row argmax[p, i]] over its slice of the query's pairs
+//   in pair order; slices are then summed in slice order through shared
+//   memory. Per chunk of PC pairs the CTA stages the pair info (doc row base,
+//   doc rows, grad) and the argmax block [PC, BR] in shared memory; document
+//   rows are loaded with 16-byte vectors through a ring of kRing loads in
+//   flight per lane.
+// dd_kernel (a scatter turned into a destination-owned reduction): CTA =
+//   (document j, row part c of C, dim chunk). The document's rows are done in
+//   passes of R rows (rows [R*(c + C*t), +R) in pass t) accumulated in an
+//   fp32 shared tile. The entries (pair k of the document, query token i),
+//   in that order, are scanned in chunks of kChunk; those whose argmax falls
+//   in the pass go, in entry order, to the queue of the lane group owning
+//   that tile row (row % NG) (an ordered compaction: __match_any_sync ranks
+//   within a warp, per-warp counters, owner-major prefix). Each group then
+//   drains its queue: loads the query row (16-byte vectors, kRing in flight)
+//   and adds grad * q into its own tile rows. A tile row is only ever touched
+//   by its owner group, in entry order: no races, fixed summation order.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace maxsim {
+namespace cuda_bwd {
+
+constexpr int kThreads = 256;               // both kernels
+constexpr int kWarps = kThreads / 32;
+constexpr int kEpt = 8;                     // dd: entries per lane per chunk
+constexpr int kChunk = kThreads * kEpt;     // dd: entries per chunk
+constexpr int kRing = 8;                    // row loads in flight per lane
+constexpr int kCrossL = 0, kGroupedL = 1, kListL = 2;
+constexpr int64_t kNoWidth = INT64_MAX;
+
+struct BwdParams {
+  const float* grad;  // [P]
+  const void* q;      // [Tq, dim]
+  const void* d;      // [Td, dim]
+  const int* q_start;
+  const int* q_len;
+  const int* d_start;
+  const int* d_len;
+  const int* pair_q;  // LIST only
+  const int* pair_d;
+  const void* argmax;  // [P, lq] int32 / int16
+  const int* q_ptr;    // LIST, dq only: [Nq + 1]
+  const int* q_pairs;  // [P]
+  const int* d_ptr;    // LIST, dd only: [Nd + 1]
+  const int* d_pairs;  // [P]
+  void* dq;            // [Tq, dim] (input dtype)
+  void* dd;            // [Td, dim]
+  int64_t Tq, Td, dim, Nq, Nd, P, K;
+  int lq, layout;
+  int nvec;  // vectors per row (dim / VEC)
+  int vec;   // VEC (elements per vector; host planning only)
+  int lgG;   // lane group = 1 << lgG lanes (8, 16 or 32), one vector each
+  int H;     // dim chunks (of G vectors)
+  // dq
+  int lgBR;  // query rows per CTA = 1 << lgBR
+  int NB;    // row blocks per query
+  int S;     // pair slices per row (groups / BR)
+  int PC;    // pairs staged per chunk
+  // dd
+  int R;  // rows of the shared tile (rows per pass)
+  int C;  // row parts per document
+};
+
+// ---------------------------------------------------------------------------
+// 16-byte vectors (VEC elements) or scalars (VEC == 1).
+// ---------------------------------------------------------------------------
+template <class T>
+__device__ __forceinline__ float to_f(T x);
+template <>
+__device__ __forceinline__ float to_f<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ float to_f<__half>(__half x) {
+  return __half2float(x);
+}
+template <>
+__device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+template <class T>
+__device__ __forceinline__ T from_f(float x);
+template <>
+__device__ __forceinline__ float from_f<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ __half from_f<__half>(float x) {
+  return __float2half_rn(x);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// Two 16-bit values packed in a 32-bit word (element 0 in the low half).
+template <class T>
+__device__ __forceinline__ void unpack2(uint32_t w, float& a, float& b);
+template <>
+__device__ __forceinline__ void unpack2<__half>(uint32_t w, float& a, float& b) {
+  a = __half2float(__ushort_as_half((unsigned short)(w & 0xffffu)));
+  b = __half2float(__ushort_as_half((unsigned short)(w >> 16)));
+}
+template <>
+__device__ __forceinline__ void unpack2<__nv_bfloat16>(uint32_t w, float& a, float& b) {
+  a = __uint_as_float(w << 16);
+  b = __uint_as_float(w & 0xffff0000u);
+}
+template <class T>
+__device__ __forceinline__ uint32_t pack2(float a, float b);
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float a, float b) {
+  return (uint32_t)__half_as_ushort(__float2half_rn(a)) | ((uint32_t)__half_as_ushort(__float2half_rn(b)) << 16);
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float a, float b) {
+  return (uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(a)) |
+         ((uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(b)) << 16);
+}
+
+template <class T, int VEC>
+struct Vec;
+
+template <>
+struct Vec<float, 4> {
+  using raw_t = uint4;
+  static __device__ __forceinline__ raw_t zero() { return make_uint4(0u, 0u, 0u, 0u); }
+  static __device__ __forceinline__ raw_t load(const float* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+  static __device__ __forceinline__ void store(float* p, raw_t v) { *reinterpret_cast<uint4*>(p) = v; }
+  static __device__ __forceinline__ void unpack(raw_t v, float (&f)[4]) {
+    f[0] = __uint_as_float(v.x);
+    f[1] = __uint_as_float(v.y);
+    f[2] = __uint_as_float(v.z);
+    f[3] = __uint_as_float(v.w);
+  }
+  static __device__ __forceinline__ raw_t pack(const float (&f)[4]) {
+    return make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]), __float_as_uint(f[3]));
+  }
+};
+
+template <class T>
+struct Vec16x8 {  // 8 x 16-bit
+  using raw_t = uint4;
+  static __device__ __forceinline__ raw_t zero() { return make_uint4(0u, 0u, 0u, 0u); }
+  static __device__ __forceinline__ raw_t load(const T* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+  static __device__ __forceinline__ void store(T* p, raw_t v) { *reinterpret_cast<uint4*>(p) = v; }
+  static __device__ __forceinline__ void unpack(raw_t v, float (&f)[8]) {
+    unpack2<T>(v.x, f[0], f[1]);
+    unpack2<T>(v.y, f[2], f[3]);
+    unpack2<T>(v.z, f[4], f[5]);
+    unpack2<T>(v.w, f[6], f[7]);
+  }
+  static __device__ __forceinline__ raw_t pack(const float (&f)[8]) {
+    return make_uint4(pack2<T>(f[0], f[1]), pack2<T>(f[2], f[3]), pack2<T>(f[4], f[5]), pack2<T>(f[6], f[7]));
+  }
+};
+template <>
+struct Vec<__half, 8> : Vec16x8<__half> {};
+template <>
+struct Vec<__nv_bfloat16, 8> : Vec16x8<__nv_bfloat16> {};
+
+template <class T>
+struct Vec<T, 1> {  // scalar fallback (rows not 16-byte aligned)
+  using raw_t = T;
+  static __device__ __forceinline__ raw_t zero() { return from_f<T>(0.f); }
+  static __device__ __forceinline__ raw_t load(const T* p) { return *p; }
+  static __device__ __forceinline__ void store(T* p, raw_t v) { *p = v; }
+  static __device__ __forceinline__ void unpack(raw_t v, float (&f)[1]) { f[0] = to_f<T>(v); }
+  static __device__ __forceinline__ raw_t pack(const float (&f)[1]) { return from_f<T>(f[0]); }
+};
+
+// ---------------------------------------------------------------------------
+// Segments and pairs.
+// ---------------------------------------------------------------------------
+
+// Rows of segment n the forward read (at most `width`), or -1 if the segment
+// is invalid (len < 0, or rows outside the tensor). Same rule as the CPU
+// backend's seg_rows and the forward's query_ok / doc_ok.
+__device__ __forceinline__ int seg_rows(const int* __restrict__ start, const int* __restrict__ len, int64_t n,
+                                        int64_t width, int64_t total) {
+  const int64_t l = len[n];
+  if (l < 0) return -1;
+  const int64_t r = l < width ? l : width;
+  const int64_t s = start[n];
+  if (r > 0 && (s < 0 || s + r > total)) return -1;
+  return (int)r;
+}
+
+__device__ __forceinline__ int64_t clamp_row(int64_t s, int64_t total) { return s < 0 ? 0 : (s > total ? total : s); }
+
+// Rows [z0, z1) that segment n zeroes (see the file comment); empty if z1 <= z0.
+__device__ __forceinline__ void seg_gap(const int* __restrict__ start, int rows, int64_t n, int64_t N, int64_t total,
+                                        int64_t& z0, int64_t& z1) {
+  z0 = clamp_row(start[n], total) + (rows > 0 ? rows : 0);
+  z1 = n + 1 < N ? clamp_row(start[n + 1], total) : total;
+}
+
+// Zeroes rows first, first + stride, ... of [r0, r1) (vector column `col`).
+template <class T, int VEC>
+__device__ __forceinline__ void zero_rows(T* __restrict__ out, int64_t dim, int64_t r0, int64_t r1, int64_t first,
+                                          int64_t stride, int64_t col, bool vok) {
+  if (!vok) return;
+  for (int64_t r = r0 + first; r < r1; r += stride) Vec<T, VEC>::store(out + r * dim + col, Vec<T, VEC>::zero());
+}
+
+// Zeroes the gap of segment n (and the prefix before segment 0), rows split
+// over `nparts` CTAs (this one: `part`) and NG groups (this one: gi).
+template <class T, int VEC>
+__device__ __forceinline__ void zero_gap(T* __restrict__ out, const int* __restrict__ start, int rows, int64_t n,
+                                         int64_t N, int64_t total, int64_t dim, int part, int nparts, int gi, int NG,
+                                         int64_t col, bool vok) {
+  int64_t z0, z1;
+  seg_gap(start, rows, n, N, total, z0, z1);
+  const int64_t first = part + (int64_t)gi * nparts, stride = (int64_t)NG * nparts;
+  zero_rows<T, VEC>(out, dim, z0, z1, first, stride, col, vok);
+  if (n == 0) zero_rows<T, VEC>(out, dim, 0, clamp_row(start[0], total), first, stride, col, vok);
+}
+
+// Pairs of query n: count, and pair k -> (pair id, doc id). False: skip.
+__device__ __forceinline__ int64_t query_pairs(const BwdParams& p, int64_t n, int64_t& lo) {
+  lo = 0;
+  if (p.layout == kCrossL) return p.Nd;
+  if (p.layout == kGroupedL) return p.K;
+  int64_t a = p.q_ptr[n], b = p.q_ptr[n + 1];
+  a = a < 0 ? 0 : a;
+  b = b > p.P ? p.P : b;
+  lo = a;
+  return b > a ? b - a : 0;
+}
+__device__ __forceinline__ bool query_pair(const BwdParams& p, int64_t n, int64_t k, int64_t lo, int64_t& pr,
+                                           int64_t& m) {
+  if (p.layout == kCrossL) {
+    pr = n * p.Nd + k;
+    m = k;
+  } else if (p.layout == kGroupedL) {
+    pr = n * p.K + k;
+    m = pr;
+  } else {
+    pr = p.q_pairs[lo + k];
+    if (pr < 0 || pr >= p.P || p.pair_q[pr] != n) return false;
+    m = p.pair_d[pr];
+  }
+  return pr >= 0 && pr < p.P && m >= 0 && m < p.Nd;
+}
+
+// Pairs of document j: count, and pair k -> (pair id, query id). False: skip.
+__device__ __forceinline__ int64_t doc_pairs(const BwdParams& p, int64_t j, int64_t& lo) {
+  lo = 0;
+  if (p.layout == kCrossL) return p.Nq;
+  if (p.layout == kGroupedL) return 1;
+  int64_t a = p.d_ptr[j], b = p.d_ptr[j + 1];
+  a = a < 0 ? 0 : a;
+  b = b > p.P ? p.P : b;
+  lo = a;
+  return b > a ? b - a : 0;
+}
+__device__ __forceinline__ bool doc_pair(const BwdParams& p, int64_t j, int64_t k, int64_t lo, int64_t& pr,
+                                         int64_t& n) {
+  if (p.layout == kCrossL) {
+    pr = k * p.Nd + j;
+    n = k;
+  } else if (p.layout == kGroupedL) {
+    pr = j;
+    n = j / p.K;
+  } else {
+    pr = p.d_pairs[lo + k];
+    if (pr < 0 || pr >= p.P || p.pair_d[pr] != j) return false;
+    n = p.pair_q[pr];
+  }
+  return pr >= 0 && pr < p.P && n >= 0 && n < p.Nq;
+}
+
+// acc += g * f on one lane's VEC floats of a shared fp32 row. Row layout:
+// [VEC/4][G][4] floats (lane-interleaved float4s: conflict-free), or [G].
+template <int VEC>
+__device__ __forceinline__ void smem_fma(float* __restrict__ row, int l, int G, float g, const float (&f)[VEC]) {
+  if constexpr (VEC >= 4) {
+#pragma unroll
+    for (int h = 0; h < VEC / 4; ++h) {
+      float4* a = reinterpret_cast<float4*>(row + (h * G + l) * 4);
+      float4 x = *a;
+      x.x = fmaf(g, f[4 * h + 0], x.x);
+      x.y = fmaf(g, f[4 * h + 1], x.y);
+      x.z = fmaf(g, f[4 * h + 2], x.z);
+      x.w = fmaf(g, f[4 * h + 3], x.w);
+      *a = x;
+    }
+  } else {
+    row[l] = fmaf(g, f[0], row[l]);
+  }
+}
+template <int VEC>
+__device__ __forceinline__ void smem_read(const float* __restrict__ row, int l, int G, float (&f)[VEC]) {
+  if constexpr (VEC >= 4) {
+#pragma unroll
+    for (int h = 0; h < VEC / 4; ++h) {
+      const float4 x = *reinterpret_cast<const float4*>(row + (h * G + l) * 4);
+      f[4 * h + 0] = x.x;
+      f[4 * h + 1] = x.y;
+      f[4 * h + 2] = x.z;
+      f[4 * h + 3] = x.w;
+    }
+  } else {
+    f[0] = row[l];
+  }
+}
+
+// ---------------------------------------------------------------------------
+// dq
+// ---------------------------------------------------------------------------
+// Dynamic shared memory: max(PC * 20 + PC * BR * 4, kThreads * VEC * 4) bytes.
+template <class T, class A, int VEC>
+__global__ void __launch_bounds__(kThreads, 3) dq_kernel(const BwdParams p, int64_t item0) {
+  using V = Vec<T, VEC>;
+  using raw_t = typename V::raw_t;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int tid = threadIdx.x;
+  const int G = 1 << p.lgG, NG = kThreads >> p.lgG;
+  const int gi = tid >> p.lgG, l = tid & (G - 1);
+
+  int64_t item = item0 + blockIdx.x;
+  const int h = (int)(item % p.H);
+  item /= p.H;
+  const int b = (int)(item % p.NB);
+  const int64_t n = item / p.NB;
+  if (n >= p.Nq) return;  // CTA-uniform
+
+  const int v = h * G + l;
+  const bool vok = v < p.nvec;
+  const int64_t col = (int64_t)v * VEC;
+  const int64_t dim = p.dim;
+  const int lq = p.lq;
+  const T* __restrict__ dsrc = static_cast<const T*>(p.d);
+  const A* __restrict__ am = static_cast<const A*>(p.argmax);
+  T* __restrict__ out = static_cast<T*>(p.dq);
+
+  const int qrows = seg_rows(p.q_start, p.q_len, n, lq, p.Tq);
+  const int BR = 1 << p.lgBR, S = p.S, PC = p.PC;
+  const int r = gi & (BR - 1), s = gi >> p.lgBR;
+  const int i = b * BR + r;  // query row of this group
+
+  int64_t* c_pr = reinterpret_cast<int64_t*>(smem);  // [PC] pair id
+  int* c_ds = reinterpret_cast<int*>(c_pr + PC);      // [PC] doc start row, -1: skip
+  int* c_dl = c_ds + PC;                              // [PC] doc rows
+  float* c_g = reinterpret_cast<float*>(c_dl + PC);   // [PC] grad
+  int* c_am = reinterpret_cast<int*>(c_g + PC);       // [PC][BR] argmax, -1: skip
+
+  float acc[VEC];
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) acc[e] = 0.f;
+
+  if (qrows > b * BR) {  // CTA-uniform: this block has rows to own
+    int64_t lo;
+    const int64_t np = query_pairs(p, n, lo);
+    for (int64_t k0 = 0; k0 < np; k0 += PC) {
+      const int nk = (int)(np - k0 < PC ? np - k0 : PC);
+      __syncthreads();  // the previous chunk is consumed
+      for (int t = tid; t < nk; t += kThreads) {
+        int64_t pr = 0, m = 0;
+        int ds = -1, dl = 0;
+        float g = 0.f;
+        if (query_pair(p, n, k0 + t, lo, pr, m)) {
+          const int rows = seg_rows(p.d_start, p.d_len, m, kNoWidth, p.Td);
+          if (rows > 0) {
+            ds = p.d_start[m];
+            dl = rows;
+            g = p.grad[pr];
+          }
+        }
+        c_pr[t] = pr;
+        c_ds[t] = ds;
+        c_dl[t] = dl;
+        c_g[t] = g;
+      }
+      __syncthreads();
+      for (int t = tid; t < nk * BR; t += kThreads) {
+        const int kk = t >> p.lgBR, ii = b * BR + (t & (BR - 1));
+        int a = -1;
+        if (c_ds[kk] >= 0 && ii < qrows) {
+          a = (int)am[c_pr[kk] * lq + ii];
+          if (a >= c_dl[kk]) a = -1;
+        }
+        c_am[t] = a;
+      }
+      __syncthreads();
+      // This group's slice of the chunk, in pair order.
+      const int klo = (int)((int64_t)nk * s / S), khi = (int)((int64_t)nk * (s + 1) / S);
+      if (i < qrows && vok) {
+        // Ring of kRing row loads in flight; the grad and the validity of
+        // an item are read back from shared memory when it is consumed.
+        raw_t buf[kRing];
+        auto fetch = [&](int kk, int u) {
+          const int a = kk < khi ? c_am[kk * BR + r] : -1;
+          buf[u] = a >= 0 ? V::load(dsrc + ((int64_t)c_ds[kk] + a) * dim + col) : V::zero();
+        };
+#pragma unroll
+        for (int u = 0; u < kRing; ++u) fetch(klo + u, u);
+        for (int kk = klo; kk < khi; kk += kRing) {
+#pragma unroll
+          for (int u = 0; u < kRing; ++u) {
+            const int k2 = kk + u;
+            if (k2 < khi && c_am[k2 * BR + r] >= 0) {
+              const float g = c_g[k2];
+              float f[VEC];
+              V::unpack(buf[u], f);
+#pragma unroll
+              for (int e = 0; e < VEC; ++e) acc[e] = fmaf(g, f[e], acc[e]);
+            }
+            fetch(kk + kRing + u, u);
+          }
+        }
+      }
+    }
+  }
+
+  // Sum the slices of each row in slice order (fixed).
+  if (S > 1) {
+    float* red = reinterpret_cast<float*>(smem);  // [NG][VEC][G]
+    __syncthreads();
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) red[(gi * VEC + e) * G + l] = acc[e];
+    __syncthreads();
+    if (s == 0) {
+      for (int s2 = 1; s2 < S; ++s2) {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) acc[e] += red[((s2 * BR + r) * VEC + e) * G + l];
+      }
+    }
+  }
+  if (s == 0 && i < qrows && vok) V::store(out + ((int64_t)p.q_start[n] + i) * dim + col, V::pack(acc));
+
+  zero_gap<T, VEC>(out, p.q_start, qrows, n, p.Nq, p.Tq, dim, b, p.NB, gi, NG, col, vok);
+}
+
+// ---------------------------------------------------------------------------
+// dd
+// ---------------------------------------------------------------------------
+__host__ __device__ constexpr size_t dd_fixed_smem() {
+  return (size_t)kChunk * (4 + 4 + 2) + (size_t)(2 * kWarps * 32 + 33) * 4;
+}
+
+// Dynamic shared memory: R * G * VEC * 4 + dd_fixed_smem() bytes.
+template <class T, class A, int VEC>
+__global__ void __launch_bounds__(kThreads, 2) dd_kernel(const BwdParams p, int64_t item0) {
+  using V = Vec<T, VEC>;
+  using raw_t = typename V::raw_t;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int G = 1 << p.lgG, NG = kThreads >> p.lgG;  // NG <= 32
+  const int gi = tid >> p.lgG, l = tid & (G - 1);
+
+  int64_t item = item0 + blockIdx.x;
+  const int h = (int)(item % p.H);
+  item /= p.H;
+  const int c = (int)(item % p.C);
+  const int64_t j = item / p.C;
+  if (j >= p.Nd) return;  // CTA-uniform
+
+  const int v = h * G + l;
+  const bool vok = v < p.nvec;
+  const int64_t col = (int64_t)v * VEC;
+  const int64_t dim = p.dim;
+  const int lq = p.lq;
+  const int R = p.R;
+  const int DCf = G * VEC;  // floats per tile row
+  const T* __restrict__ qsrc = static_cast<const T*>(p.q);
+  const A* __restrict__ am = static_cast<const A*>(p.argmax);
+  T* __restrict__ out = static_cast<T*>(p.dd);
+
+  float* acc = reinterpret_cast<float*>(smem);                            // [R][DCf]
+  int* q_row = reinterpret_cast<int*>(acc + (size_t)R * DCf);            // [kChunk]
+  float* q_g = reinterpret_cast<float*>(q_row + kChunk);                 // [kChunk]
+  unsigned short* q_rr = reinterpret_cast<unsigned short*>(q_g + kChunk);  // [kChunk]
+  int* cntw = reinterpret_cast<int*>(q_rr + kChunk);                      // [kWarps][32]
+  int* qbase = cntw + kWarps * 32;                                        // [kWarps][32]
+  int* qoff = qbase + kWarps * 32;                                        // [33]
+
+  const int drows = seg_rows(p.d_start, p.d_len, j, kNoWidth, p.Td);
+  const int64_t ds = p.d_start[j];
+  int64_t plo = 0;
+  const int64_t np = drows > 0 ? doc_pairs(p, j, plo) : 0;
+  const int64_t ent = np * lq;  // entries (pair k, token i), k-major
+  const bool ent32 = ent <= (int64_t)0x7fffffff;
+
+  for (int64_t r0 = (int64_t)c * R; r0 < drows; r0 += (int64_t)p.C * R) {
+    const int rlen = (int)(drows - r0 < R ? drows - r0 : R);
+    {
+      float4* a4 = reinterpret_cast<float4*>(acc);
+      const int n4 = rlen * DCf / 4;  // DCf is a multiple of 8
+      for (int t = tid; t < n4; t += kThreads) a4[t] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    for (int64_t cb = 0; cb < ent; cb += kChunk) {
+      // A. entries of this lane: target tile row (-1: none), grad, query row.
+      int tg[kEpt], qr[kEpt], pos[kEpt];
+      float gv[kEpt];
+#pragma unroll
+      for (int t = 0; t < kEpt; ++t) {
+        tg[t] = -1;
+        qr[t] = 0;
+        gv[t] = 0.f;
+        const int64_t e = cb + ((warp * kEpt + t) * 32 + lane);
+        if (e < ent) {
+          int64_t k;
+          int ii;
+          if (ent32) {
+            const unsigned ku = (unsigned)e / (unsigned)lq;
+            k = ku;
+            ii = (int)((unsigned)e - ku * (unsigned)lq);
+          } else {
+            k = e / lq;
+            ii = (int)(e - k * lq);
+          }
+          int64_t pr, n;
+          if (doc_pair(p, j, k, plo, pr, n)) {
+            const int qrows = seg_rows(p.q_start, p.q_len, n, lq, p.Tq);
+            if (ii < qrows) {
+              const int64_t a = (int64_t)am[pr * lq + ii];
+              if (a >= r0 && a < r0 + rlen) {
+                tg[t] = (int)(a - r0);
+                gv[t] = p.grad[pr];
+                qr[t] = p.q_start[n] + ii;
+              }
+            }
+          }
+        }
+      }
+      // B. rank of each hit among the earlier hits of the same owner group
+      //    in this warp (entry order), with per-warp running counters.
+      cntw[warp * 32 + lane] = 0;
+      __syncwarp();
+#pragma unroll
+      for (int t = 0; t < kEpt; ++t) {
+        const int o = tg[t] >= 0 ? (tg[t] & (NG - 1)) : -1;
+        const unsigned peers = __match_any_sync(0xffffffffu, o);
+        const int rank = __popc(peers & ((1u << lane) - 1u));
+        int base = 0;
+        if (o >= 0) base = cntw[warp * 32 + o];
+        __syncwarp();
+        if (o >= 0 && rank == 0) cntw[warp * 32 + o] = base + __popc(peers);
+        __syncwarp();
+        pos[t] = base + rank;
+      }
+      __syncthreads();
+      // C. queue offsets: owner-major, then warp order.
+      if (warp == 0) {
+        int tot = 0;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) tot += cntw[w * 32 + lane];
+        int incl = tot;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+          const int y = __shfl_up_sync(0xffffffffu, incl, o);
+          if (lane >= o) incl += y;
+        }
+        int run = incl - tot;
+        if (lane < NG) qoff[lane] = run;
+        if (lane == NG - 1) qoff[NG] = incl;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) {
+          qbase[w * 32 + lane] = run;
+          run += cntw[w * 32 + lane];
+        }
+      }
+      __syncthreads();
+      // D. write the hits to their queues.
+#pragma unroll
+      for (int t = 0; t < kEpt; ++t) {
+        if (tg[t] >= 0) {
+          const int idx = qbase[warp * 32 + (tg[t] & (NG - 1))] + pos[t];
+          q_row[idx] = qr[t];
+          q_g[idx] = gv[t];
+          q_rr[idx] = (unsigned short)tg[t];
+        }
+      }
+      __syncthreads();
+      // E. each group drains its queue into its own tile rows, in order.
+      //    Only the row vectors ride in registers (kRing loads in flight);
+      //    tile row and grad are read back from the queue when consumed.
+      if (vok) {
+        const int x0 = qoff[gi], x1 = qoff[gi + 1];
+        raw_t buf[kRing];
+        auto fetch = [&](int x, int u) {
+          buf[u] = x < x1 ? V::load(qsrc + (int64_t)q_row[x] * dim + col) : V::zero();
+        };
+#pragma unroll
+        for (int u = 0; u < kRing; ++u) fetch(x0 + u, u);
+        for (int x = x0; x < x1; x += kRing) {
+#pragma unroll
+          for (int u = 0; u < kRing; ++u) {
+            if (x + u < x1) {
+              float f[VEC];
+              V::unpack(buf[u], f);
+              smem_fma<VEC>(acc + (size_t)q_rr[x + u] * DCf, l, G, q_g[x + u], f);
+            }
+            fetch(x + kRing + u, u);
+          }
+        }
+      }
+      __syncthreads();  // queues are rewritten by the next chunk
+    }
+    __syncthreads();  // tile complete (also when there were no entries)
+    if (vok) {
+      for (int rr = gi; rr < rlen; rr += NG) {
+        float f[VEC];
+        smem_read<VEC>(acc + (size_t)rr * DCf, l, G, f);
+        V::store(out + (ds + r0 + rr) * dim + col, V::pack(f));
+      }
+    }
+    __syncthreads();  // the next pass clears the tile
+  }
+
+  zero_gap<T, VEC>(out, p.d_start, drows, j, p.Nd, p.Td, dim, c, p.C, gi, NG, col, vok);
+}
+
+}  // namespace cuda_bwd
+}  // namespace maxsim

@@ -1,0 +1,807 @@
+// Hopper (sm_90a) tensor-core forward kernel: wgmma + TMA, fp16 / bf16
+// inputs, fp32 accumulation, for 8 <= dim <= 128 (dim % 8 == 0).
+//
+// Persistent kernel, one CTA per SM (384 threads), each CTA walking the same
+// work items as the other forward kernels (decode_work: M tile of BM = 128
+// query rows x BN-aligned chunk of one document; qpt / tpq / S / row_mode as
+// set by the host) with a stride of gridDim.x. Warp roles:
+//   * warpgroups 0 and 1 (consumers, 200 registers): each owns 64 of the 128
+//     query rows. The query rows are copied from shared memory into wgmma A
+//     fragments (registers) once per item; each BN = 128 doc-token tile is
+//     one chain of dim/16 wgmma m64n128k16 (RS: A registers, B = doc tile in
+//     shared memory, K-major, 128B swizzle); while one warpgroup folds its
+//     tile into the row maxima the other one's chain keeps the tensor cores
+//     busy. A final tile of <= 64 valid tokens uses m64n64k16. Running
+//     row max / argmax live in registers (NaN propagates, lowest index wins
+//     ties, out-of-range and masked tokens are -inf); at the end of an item
+//     the 4 lanes of a quad merge and write per-row results to shared memory.
+//   * warp 8 (producer, one lane): streams doc tiles [BN rows x 128 B] per
+//     64-column block with cp.async.bulk.tensor (a 2-D tensor map over the
+//     whole [Td, dim] d matrix, row coordinate d_start + token; rows of other
+//     documents are masked in the fold, rows past Td / columns past dim are
+//     zero-filled by TMA) into a STAGES-deep ring guarded by full / empty
+//     mbarriers.
+//   * warps 9, 10 (loader): decode the next work item, build its row table
+//     and query-slot states (global loads issued before waiting), then, once
+//     the consumers hold the current query rows in registers, load the next
+//     query tile (cp.async, zero-filled rows / columns; completion on an
+//     mbarrier). Item descriptors and tables live in a ring of NR = 4.
+//   * warp 11 (finisher): the per-item epilogue, a port of finish_tile with
+//     the same row_mode / workspace conventions (so the finalize kernels of
+//     forward.cu apply unchanged), off the consumers' critical path.
+// Item schedule: strided over CTAs (CTAs running together share documents
+// through L2), or contiguous ranges when a doc chunk fits the stage ring: a
+// chunk then stays resident across the consecutive items (M tiles) that use
+// it and is loaded once. Flags (kernel argument, kWg*): contiguous schedule,
+// argmax fold variant, loader variant; the host picks them (launch_wgmma).
+// Deterministic: maxima are exact, sums are taken in a fixed order.
+#pragma once
+
+#include <c10/cuda/CUDAException.h>
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+#include <algorithm>
+#include <type_traits>
+
+#include "common.cuh"
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define MAXSIM_WG_DEVICE 1
+#else
+#define MAXSIM_WG_DEVICE 0
+#endif
+
+namespace maxsim {
+namespace cuda_fwd {
+
+constexpr int kWgBM = 128;       // query rows per work item (2 consumer warpgroups x 64)
+constexpr int kWgBN = 128;       // doc tokens per pipeline stage
+constexpr int kWgThreads = 384;  // 2 consumer warpgroups + producer / loader / finisher warpgroup
+constexpr int kWgMaxDim = 128;
+
+// NKB: 64-element (128-byte) column blocks of dim (1 or 2).
+template <int NKB>
+struct WgCfg {
+  static constexpr int STAGES = NKB == 1 ? 8 : 5;
+  static constexpr int STAGE_BYTES = NKB * kWgBN * 128;
+  static constexpr int Q_BYTES = NKB * kWgBM * 128;
+  static constexpr int SMEM = STAGES * STAGE_BYTES + Q_BYTES + 1024;  // + alignment slack
+};
+
+// Kernel flags.
+constexpr int kWgContiguous = 1;  // contiguous item ranges per CTA (else strided)
+constexpr int kWgArgSearch = 2;   // argmax fold: tile max first, then search (else sequential)
+constexpr int kWgFastLoader = 4;  // loader: slot-level loads only, rows from the slot table (fewer round trips)
+
+// Doc chunk of the previous item (producer and consumers decide residency
+// identically): the same chunk of <= stages tiles is not reloaded.
+struct WgChunk {
+  int ds = -1, c0 = -1, c1 = -1, nt = 0;
+  __device__ __forceinline__ bool same(const Work& w, int stages) const {
+    return nt >= 1 && nt <= stages && w.ds == ds && w.c0 == c0 && w.c1 == c1;
+  }
+  __device__ __forceinline__ void set(const Work& w, int ntiles) {
+    ds = w.ds;
+    c0 = w.c0;
+    c1 = w.c1;
+    nt = ntiles;
+  }
+};
+
+template <typename T>
+struct WgMma;
+
+// ---------------------------------------------------------------------------
+// PTX wrappers (sm_90a only; empty elsewhere so the file compiles for sm_80).
+// ---------------------------------------------------------------------------
+#if MAXSIM_WG_DEVICE
+template <>
+struct WgMma<__nv_bfloat16> {
+  static __device__ __forceinline__ void n128(float* d, const uint32_t* a, uint64_t desc, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d));
+  }
+  static __device__ __forceinline__ void n64(float* d, const uint32_t* a, uint64_t desc, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d));
+  }
+};
+template <>
+struct WgMma<__half> {
+  static __device__ __forceinline__ void n128(float* d, const uint32_t* a, uint64_t desc, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d));
+  }
+  static __device__ __forceinline__ void n64(float* d, const uint32_t* a, uint64_t desc, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d));
+  }
+};
+
+// Pins accumulator registers in program order around wgmma issue / wait so
+// that ordinary reads are not moved into a wgmma pipeline stage.
+template <int N>
+__device__ __forceinline__ void wg_fence_acc(float* acc) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(acc[i])::"memory");
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// Shared-memory matrix descriptor: K-major, 128B swizzle, 8-row groups 1024 B
+// apart (tile base 1024-byte aligned; a k step inside the 128 B row advances
+// the start address by 32 B).
+__device__ __forceinline__ uint64_t wg_desc(uint32_t saddr) {
+  uint64_t d = (uint64_t)((saddr & 0x3FFFFu) >> 4);
+  d |= (uint64_t)1 << 16;
+  d |= (uint64_t)(1024 >> 4) << 32;
+  d |= (uint64_t)1 << 62;
+  return d;
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ bool mbar_try(uint32_t bar, uint32_t parity) {
+  uint32_t ok;
+  asm volatile(
+      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(ok)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return ok != 0;
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  while (!mbar_try(bar, parity)) {
+  }
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int x, int y, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], "
+      "[%4];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar)
+      : "memory");
+}
+__device__ __forceinline__ void named_bar(int id, int n) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+#endif  // MAXSIM_WG_DEVICE
+
+// Row r of the item's M tile: global query row to load (-1: zero) and
+// whether the row counts (as build_row_table in common.cuh).
+template <int BM>
+__device__ __forceinline__ void wg_row(const FwdParams& p, const Work& w, int r, long long& src, bool& ok) {
+  int k, i;
+  tile_row(p, BM, w.mt, r, k, i);
+  src = -1;
+  ok = false;
+  const int nslots = p.layout == kCrossL ? p.qpt : 1;
+  if (k < nslots && i < p.lq) {
+    int64_t n = slot_query(p, w, k);
+    int qs, ql;
+    if (slot_exists(p, n, k) && query_ok(p, n, qs, ql) && i < ql) {
+      src = (long long)qs + i;
+      ok = p.q_mask == nullptr || p.q_mask[src];
+    }
+  }
+}
+
+// State of query slot k of the item: 0 no such slot, 1 pair invalid (NaN), 2 valid.
+__device__ __forceinline__ unsigned char wg_slot_state(const FwdParams& p, const Work& w, int k) {
+  const int nslots = p.layout == kCrossL ? p.qpt : 1;
+  if (k >= nslots) return 0;
+  int64_t n = slot_query(p, w, k);
+  if (!slot_exists(p, n, k)) return 0;
+  int qs, ql;
+  return (query_ok(p, n, qs, ql) && w.dvalid) ? 2 : 1;
+}
+
+// Slot k of the item: state (as wg_slot_state) and, when the query segment is
+// valid, its first row / length (ql = -1 otherwise).
+__device__ __forceinline__ void wg_slot_info(const FwdParams& p, const Work& w, int k, int& qs, int& ql,
+                                             unsigned char& st) {
+  qs = 0;
+  ql = -1;
+  st = 0;
+  const int nslots = p.layout == kCrossL ? p.qpt : 1;
+  if (k >= nslots) return;
+  int64_t n = slot_query(p, w, k);
+  if (!slot_exists(p, n, k)) return;
+  int s0, l0;
+  const bool qok = query_ok(p, n, s0, l0);
+  if (qok) {
+    qs = s0;
+    ql = l0;
+  }
+  st = (qok && w.dvalid) ? 2 : 1;
+}
+
+// finish_tile (common.cuh) for one warp, with the slot states precomputed.
+template <int BM, bool ARG>
+__device__ __forceinline__ void wg_finish(const FwdParams& p, const Work& w, const float* rb, const int* ri,
+                                          const unsigned char* row_ok, const unsigned char* slot_st, int lane) {
+  if (p.row_mode <= 1) {
+    const int nslots = p.layout == kCrossL ? p.qpt : 1;
+    const int tt = w.mt % p.tpq;
+    for (int k = 0; k < nslots; ++k) {
+      const unsigned char st = slot_st[k];
+      if (st == 0) continue;
+      const bool ok = st == 2;
+      const int64_t n = slot_query(p, w, k);
+      const int64_t pr = slot_pair(p, w, n);
+      int i0, i1, rbase;
+      if (p.tpq > 1) {
+        i0 = tt * BM;
+        i1 = min(p.lq, i0 + BM);
+        rbase = -i0;
+      } else {
+        i0 = 0;
+        i1 = p.lq;
+        rbase = k * p.lq;
+      }
+      float sum = 0.f;
+      for (int i = i0 + lane; i < i1; i += 32) {
+        int r = rbase + i;
+        float v = rb[r];
+        bool use = ok && row_ok[r] && v != neg_inf();
+        sum += use ? v : 0.f;
+        if (ARG) store_argmax(p, pr * p.lq + i, use ? ri[r] : -1);
+      }
+      sum = warp_sum(sum);
+      if (lane == 0) {
+        if (p.row_mode == 0)
+          p.scores[pr] = ok ? sum : __int_as_float(0x7fc00000);
+        else
+          p.ws_best[(int64_t)tt * p.P + pr] = sum;
+      }
+    }
+  } else {
+    for (int r = lane; r < BM; r += 32) {
+      if (!row_ok[r]) continue;
+      int k, i;
+      tile_row(p, BM, w.mt, r, k, i);
+      int64_t n = slot_query(p, w, k);
+      int64_t pr = slot_pair(p, w, n);
+      int64_t o = ((int64_t)w.s * p.P + pr) * p.lq + i;
+      p.ws_best[o] = rb[r];
+      if (ARG) p.ws_idx[o] = ri[r];
+    }
+  }
+}
+
+#if MAXSIM_WG_DEVICE
+// Folds one accumulator tile (NJ 8-column blocks valid) into the running row
+// maxima of this thread (rows g and g + 8 of its warp; columns visited in
+// increasing order). Out-of-range / masked columns become -inf. The row max
+// is taken first (max.NaN tree); with argmax, a tile that beats the running
+// max (strictly, or by a first NaN) is searched for its lowest winning column.
+template <int NJ, bool ARG>
+__device__ __forceinline__ void wg_fold(const FwdParams& p, const Work& w, float* acc, int jt, float* best,
+                                        int* bidx, bool arg_search) {
+  const int lane = threadIdx.x & 31;
+  const int n0 = w.c0 + jt * kWgBN;
+  const int colbase = n0 + 2 * (lane & 3);
+  const bool has_mask = p.d_mask != nullptr;
+  const bool fast = !has_mask && n0 + NJ * 8 <= w.c1;
+  if (ARG && !arg_search) {
+    // Sequential (max, argmax) update, columns in increasing order.
+#pragma unroll
+    for (int jn = 0; jn < NJ; ++jn)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = colbase + jn * 8 + e;
+        bool valid = true;
+        if (!fast) {
+          valid = col < w.c1;
+          if (valid && has_mask) valid = p.d_mask[(int64_t)w.ds + col];
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) upd_arg(best[h], bidx[h], valid ? acc[4 * jn + 2 * h + e] : neg_inf(), col);
+      }
+    return;
+  }
+  if (!fast) {
+#pragma unroll
+    for (int jn = 0; jn < NJ; ++jn)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = colbase + jn * 8 + e;
+        bool valid = col < w.c1;
+        if (valid && has_mask) valid = p.d_mask[(int64_t)w.ds + col];
+        if (!valid) {
+          acc[4 * jn + e] = neg_inf();
+          acc[4 * jn + 2 + e] = neg_inf();
+        }
+      }
+  }
+  float m[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float x = max_nan(max_nan(acc[2 * h], acc[2 * h + 1]), max_nan(acc[4 + 2 * h], acc[5 + 2 * h]));
+#pragma unroll
+    for (int jn = 2; jn < NJ; jn += 2)
+      x = max_nan(x, max_nan(max_nan(acc[4 * jn + 2 * h], acc[4 * jn + 2 * h + 1]),
+                             max_nan(acc[4 * jn + 4 + 2 * h], acc[4 * jn + 5 + 2 * h])));
+    m[h] = x;
+  }
+  if constexpr (!ARG) {
+    best[0] = max_nan(best[0], m[0]);
+    best[1] = max_nan(best[1], m[1]);
+  } else {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float mv = m[h];
+    const bool mnan = mv != mv;
+    const bool take = best[h] == best[h] && (mnan || mv > best[h]);
+    if (take) {
+      int idx = -1;
+#pragma unroll
+      for (int jn = NJ - 1; jn >= 0; --jn)
+#pragma unroll
+        for (int e = 1; e >= 0; --e) {
+          const float v = acc[4 * jn + 2 * h + e];
+          const bool hit = mnan ? (v != v) : (v == mv);
+          idx = hit ? colbase + jn * 8 + e : idx;
+        }
+      best[h] = mv;
+      bidx[h] = idx;
+    }
+  }
+  }
+}
+
+// One doc tile for a consumer warpgroup: wait for the stage, run the wgmma
+// chain (dim / 16 k steps) into acc, retire it, free the stage (unless the
+// doc chunk stays resident), fold.
+template <typename T, int NKB, bool ARG>
+__device__ __forceinline__ void wg_tile(const FwdParams& p, const Work& w, float* acc, float* acch,
+                                        const uint32_t (*a)[4],
+                                        int j, uint32_t g, uint32_t d_s, uint32_t bar_full, uint32_t bar_empty,
+                                        float* best, int* bidx, bool release, bool arg_search) {
+  using C = WgCfg<NKB>;
+  constexpr int NK16 = NKB * 4;
+  const int s = (int)(g % C::STAGES);
+  mbar_wait(bar_full + 8u * s, (g / C::STAGES) & 1u);
+  const uint32_t sbase = d_s + (uint32_t)(s * C::STAGE_BYTES);
+  const bool half = w.c1 - (w.c0 + j * kWgBN) <= 64;
+  if (half) {
+    // Last tile with <= 64 valid tokens: m64n64 into its own accumulators.
+    wg_fence_acc<32>(acch);
+    wg_fence();
+#pragma unroll
+    for (int ks = 0; ks < NK16; ++ks)
+      WgMma<T>::n64(acch, a[ks], wg_desc(sbase + (uint32_t)((ks >> 2) * kWgBN * 128 + (ks & 3) * 32)), ks);
+    wg_commit();
+    wg_wait<0>();
+    wg_fence_acc<32>(acch);
+    if (release && (threadIdx.x & 31) == 0) mbar_arrive(bar_empty + 8u * s);
+    wg_fold<8, ARG>(p, w, acch, j, best, bidx, arg_search);
+  } else {
+    wg_fence_acc<64>(acc);
+    wg_fence();
+#pragma unroll
+    for (int ks = 0; ks < NK16; ++ks)
+      WgMma<T>::n128(acc, a[ks], wg_desc(sbase + (uint32_t)((ks >> 2) * kWgBN * 128 + (ks & 3) * 32)), ks);
+    wg_commit();
+    wg_wait<0>();
+    wg_fence_acc<64>(acc);
+    if (release && (threadIdx.x & 31) == 0) mbar_arrive(bar_empty + 8u * s);
+    wg_fold<16, ARG>(p, w, acc, j, best, bidx, arg_search);
+  }
+}
+#endif  // MAXSIM_WG_DEVICE
+
+template <typename T, int NKB, bool ARG>
+__global__ void __launch_bounds__(kWgThreads, 1)
+    wg_fwd_kernel(const __grid_constant__ CUtensorMap tmap, const FwdParams p, int64_t item0, int64_t nitems,
+                  int flags) {
+#if MAXSIM_WG_DEVICE
+  using C = WgCfg<NKB>;
+  constexpr int BM = kWgBM, BN = kWgBN, ST = C::STAGES, NK16 = NKB * 4;
+  constexpr int NR = 4;  // ring of per-item tables / results (loader -> consumers -> finisher)
+  extern __shared__ unsigned char wg_smem[];
+  __shared__ __align__(8) uint64_t bars[2 * ST + 2 + 2 * NR];
+  __shared__ Work work_s[NR];
+  __shared__ long long row_src[NR][BM];
+  __shared__ unsigned char row_ok[NR][BM];
+  __shared__ unsigned char slot_st[NR][BM];
+  __shared__ int slot_qs[BM], slot_ql[BM];  // loader only (fast loader)
+  __shared__ float rbest[NR][BM];
+  __shared__ int ridx[ARG ? NR : 1][BM];
+
+  const uint32_t base = (smem_u32(wg_smem) + 1023u) & ~1023u;
+  const uint32_t d_s = base;
+  const uint32_t q_s = base + (uint32_t)(ST * C::STAGE_BYTES);
+  const uint32_t bar0 = smem_u32(bars);
+  const uint32_t bar_full = bar0, bar_empty = bar0 + 8u * ST;  // [ST] each
+  const uint32_t bar_qfull = bar0 + 16u * ST, bar_qempty = bar_qfull + 8u;
+  const uint32_t bar_rfull = bar_qfull + 16u, bar_free = bar_rfull + 8u * NR;  // [NR] each
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  constexpr int kLoader = 64;  // warps 9, 10
+  // Item schedule: strided (CTAs running together share documents: L2 reuse)
+  // or contiguous ranges (consecutive items of one doc chunk: the chunk stays
+  // resident in the stage ring when it fits, see below).
+  int64_t i_lo, i_hi, i_step;
+  if (flags & kWgContiguous) {
+    i_lo = nitems * (int64_t)blockIdx.x / gridDim.x;
+    i_hi = nitems * (int64_t)(blockIdx.x + 1) / gridDim.x;
+    i_step = 1;
+  } else {
+    i_lo = blockIdx.x;
+    i_hi = nitems;
+    i_step = gridDim.x;
+  }
+  const bool arg_search = (flags & kWgArgSearch) != 0;
+  if (tid == 0) {
+    for (int s = 0; s < ST; ++s) {
+      mbar_init(bar_full + 8u * s, 1);
+      mbar_init(bar_empty + 8u * s, 8);  // one arrival per consumer warp
+    }
+    mbar_init(bar_qfull, kLoader + 1);  // cp.async arrivals + one release of work_s
+    mbar_init(bar_qempty, 8);
+    for (int b = 0; b < NR; ++b) {
+      mbar_init(bar_rfull + 8u * b, 256);
+      mbar_init(bar_free + 8u * b, 32);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp >= 8) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 104;\n" ::: "memory");
+    if (warp == 8) {
+      // ---- producer: doc tiles through TMA --------------------------------
+      if (lane == 0) {
+        uint32_t g = 0;
+        WgChunk prev;
+        for (int64_t li = i_lo; li < i_hi; li += i_step) {
+          const Work w = decode_work<BN>(p, item0 + li);
+          const int ntiles = (w.c1 - w.c0 + BN - 1) / BN;
+          const int row0 = w.ds + w.c0;
+          const bool resident = prev.same(w, ST);
+          prev.set(w, ntiles);
+          if (resident) continue;  // the consumers reuse the stages of the previous item
+          for (int j = 0; j < ntiles; ++j, ++g) {
+            const int s = (int)(g % ST);
+            mbar_wait(bar_empty + 8u * s, ((g / ST) & 1u) ^ 1u);
+            mbar_expect_tx(bar_full + 8u * s, (uint32_t)C::STAGE_BYTES);
+#pragma unroll
+            for (int kb = 0; kb < NKB; ++kb)
+              tma_load_2d(d_s + (uint32_t)(s * C::STAGE_BYTES + kb * BN * 128), &tmap, kb * 64, row0 + j * BN,
+                          bar_full + 8u * s);
+          }
+        }
+      }
+    } else if (warp <= 10) {
+      // ---- loader: work item, row table, slot states, query tile -----------
+      const int lt = tid - 288;
+      const bool fast_loader = (flags & kWgFastLoader) != 0;
+      uint32_t it = 0;
+      for (int64_t li = i_lo; li < i_hi; li += i_step, ++it) {
+        const Work w = decode_work<BN>(p, item0 + li);
+        const int b = (int)(it % NR);
+        if (fast_loader) {
+          // Slot-level loads only (one round trip, independent of decode's),
+          // rows derived from the slot table in shared memory.
+          int sqs[2], sql[2];
+          unsigned char sst[2];
+#pragma unroll
+          for (int h = 0; h < 2; ++h) wg_slot_info(p, w, lt + h * kLoader, sqs[h], sql[h], sst[h]);
+          mbar_wait(bar_free + 8u * b, ((it / NR) & 1u) ^ 1u);  // finisher done with item it - NR
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            slot_st[b][lt + h * kLoader] = sst[h];
+            slot_qs[lt + h * kLoader] = sqs[h];
+            slot_ql[lt + h * kLoader] = sql[h];
+          }
+          if (lt == 0) work_s[b] = w;
+          named_bar(1, kLoader);
+          const int nslots = p.layout == kCrossL ? p.qpt : 1;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int r = lt + h * kLoader;
+            int k, i;
+            tile_row(p, BM, w.mt, r, k, i);
+            long long src = -1;
+            bool ok = false;
+            if (k < nslots && i < p.lq && slot_st[b][k] != 0 && i < slot_ql[k]) {  // slot_ql < 0: bad query
+              src = (long long)slot_qs[k] + i;
+              ok = p.q_mask == nullptr || p.q_mask[src];
+            }
+            row_src[b][r] = src;
+            row_ok[b][r] = ok;
+          }
+        } else {
+          // Everything that needs global loads first, into registers.
+          long long src0, src1;
+          bool ok0, ok1;
+          wg_row<BM>(p, w, lt, src0, ok0);
+          wg_row<BM>(p, w, lt + kLoader, src1, ok1);
+          const unsigned char st0 = wg_slot_state(p, w, lt), st1 = wg_slot_state(p, w, lt + kLoader);
+          mbar_wait(bar_free + 8u * b, ((it / NR) & 1u) ^ 1u);  // finisher done with item it - NR
+          row_src[b][lt] = src0;
+          row_src[b][lt + kLoader] = src1;
+          row_ok[b][lt] = ok0;
+          row_ok[b][lt + kLoader] = ok1;
+          slot_st[b][lt] = st0;
+          slot_st[b][lt + kLoader] = st1;
+          if (lt == 0) work_s[b] = w;
+        }
+        named_bar(1, kLoader);
+        mbar_wait(bar_qempty, (it & 1u) ^ 1u);  // consumers hold item it - 1's query rows
+        for (int u = lt; u < NKB * BM * 8; u += kLoader) {
+          const int kb = u / (BM * 8), rem = u - kb * (BM * 8);
+          const int r = rem >> 3, c = rem & 7;
+          const long long src = row_src[b][r];
+          const int64_t byte = (int64_t)kb * 128 + c * 16;
+          const bool ok = src >= 0 && byte < p.row_bytes;
+          const char* gp = ok ? p.q + src * p.row_bytes + byte : p.q;
+          cp_async<16>(q_s + (uint32_t)(kb * BM * 128 + r * 128 + ((c ^ (r & 7)) << 4)), gp, ok);
+        }
+        cp_async_mbar_arrive(bar_qfull);
+        if (lt == 0) mbar_arrive(bar_qfull);
+      }
+    } else {
+      // ---- finisher: per-item epilogue (scores / argmax / partials) ----------
+      uint32_t it = 0;
+      for (int64_t li = i_lo; li < i_hi; li += i_step, ++it) {
+        const int b = (int)(it % NR);
+        mbar_wait(bar_rfull + 8u * b, (it / NR) & 1u);
+        const Work w = work_s[b];
+        wg_finish<BM, ARG>(p, w, rbest[b], ridx[ARG ? b : 0], row_ok[b], slot_st[b], lane);
+        __syncwarp();
+        mbar_arrive(bar_free + 8u * b);
+      }
+    }
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 200;\n" ::: "memory");
+    // ---- consumers ------------------------------------------------------------
+    const int wg = warp >> 2, wq = warp & 3;
+    const int row_g = wg * 64 + wq * 16 + (lane >> 2);
+    float acc[64], acch[32];
+#pragma unroll
+    for (int e = 0; e < 64; ++e) acc[e] = 0.f;
+#pragma unroll
+    for (int e = 0; e < 32; ++e) acch[e] = 0.f;
+    uint32_t g = 0, it = 0, chunk_g = 0, held_base = 0;
+    int held_n = 0;
+    WgChunk prev;
+    for (int64_t li = i_lo; li < i_hi; li += i_step, ++it) {
+      const int b = (int)(it % NR);
+      // Query rows -> A fragments (rows of this warp, all of dim).
+      uint32_t a[NK16][4];
+      mbar_wait(bar_qfull, it & 1u);
+      const Work w = work_s[b];
+      const int ntiles = (w.c1 - w.c0 + BN - 1) / BN;
+      {
+        const int r = wg * 64 + wq * 16 + (lane & 15);
+        const int hi = lane >> 4;
+#pragma unroll
+        for (int ks = 0; ks < NK16; ++ks) {
+          const int c = (ks & 3) * 2 + hi;
+          ldsm_x4(a[ks][0], a[ks][1], a[ks][2], a[ks][3],
+                  q_s + (uint32_t)((ks >> 2) * BM * 128 + r * 128 + ((c ^ (r & 7)) << 4)));
+        }
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(bar_qempty);
+
+      float best[2] = {neg_inf(), neg_inf()};
+      int bidx[2] = {-1, -1};
+      // Doc chunk of <= ST tiles: keep its stages until an item needs another
+      // chunk (the producer skips reloading it; full barriers stay complete).
+      const bool resident = prev.same(w, ST);
+      prev.set(w, ntiles);
+      if (!resident) {
+        if (lane == 0)
+          for (int t = 0; t < held_n; ++t) mbar_arrive(bar_empty + 8u * ((held_base + (uint32_t)t) % ST));
+        held_n = 0;
+        chunk_g = g;
+        g += (uint32_t)ntiles;
+      }
+      const bool hold = ntiles <= ST;
+      for (int j = 0; j < ntiles; ++j)
+        wg_tile<T, NKB, ARG>(p, w, acc, acch, a, j, chunk_g + (uint32_t)j, d_s, bar_full, bar_empty, best, bidx,
+                             !hold, arg_search);
+      if (hold && !resident) {
+        held_base = chunk_g;
+        held_n = ntiles;
+      }
+      // Merge the 4 lanes of a quad (same rows, different columns).
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int o = 1; o <= 2; o <<= 1) {
+          float ob = __shfl_xor_sync(0xffffffffu, best[h], o);
+          if (ARG) {
+            int oi = __shfl_xor_sync(0xffffffffu, bidx[h], o);
+            merge_arg(best[h], bidx[h], ob, oi);
+          } else {
+            best[h] = max_nan(best[h], ob);
+          }
+        }
+      mbar_wait(bar_free + 8u * b, ((it / NR) & 1u) ^ 1u);  // finisher done with item it - NR
+      if ((lane & 3) == 0) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          rbest[b][row_g + 8 * h] = best[h];
+          if (ARG) ridx[ARG ? b : 0][row_g + 8 * h] = bidx[h];
+        }
+      }
+      mbar_arrive(bar_rfull + 8u * b);
+    }
+  }
+#endif  // MAXSIM_WG_DEVICE
+}
+
+// ---------------------------------------------------------------------------
+// Host side.
+// ---------------------------------------------------------------------------
+
+// Developer hook (benchmark harness only): force the kernel flags
+// (kWgContiguous | kWgArgSearch); -1 = heuristic.
+inline int& wg_forced_flags() {
+  static int f = -1;
+  return f;
+}
+
+// cuTensorMapEncodeTiled through the runtime's driver entry point (no -lcuda).
+inline PFN_cuTensorMapEncodeTiled_v12000 wg_encode_fn() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = []() -> PFN_cuTensorMapEncodeTiled_v12000 {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+#if CUDART_VERSION >= 12050
+    cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &q);
+#else
+    cudaError_t e = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &ptr, cudaEnableDefault, &q);
+#endif
+    if (e != cudaSuccess || q != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      return nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
+  }();
+  return fn;
+}
+
+// Whether the wgmma path can take this problem (host-side shape / alignment
+// checks; the device and build checks are in wgmma_available<T>).
+inline bool wgmma_shape_ok(const FwdParams& p, int64_t dim, int64_t esz) {
+  if (esz != 2 || dim < 8 || dim > kWgMaxDim || dim % 8 != 0) return false;
+  if (reinterpret_cast<uintptr_t>(p.q) % 16 != 0 || reinterpret_cast<uintptr_t>(p.d) % 16 != 0) return false;
+  if (p.Td <= 0 || p.Td >= ((int64_t)1 << 31)) return false;
+  return wg_encode_fn() != nullptr;
+}
+
+template <typename T, int NKB, bool ARG>
+inline bool wg_kernel_ready() {
+  // Per device: raise the dynamic shared-memory limit once and check that the
+  // kernel was compiled with its sm_90a body (an empty stub otherwise: no
+  // static shared memory).
+  static int state[64] = {0};  // 0 unknown, 1 ready, -1 unavailable
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev >= 64) return false;
+  if (state[dev] == 0) {
+    cudaFuncAttributes attr{};
+    bool ok = cudaFuncGetAttributes(&attr, wg_fwd_kernel<T, NKB, ARG>) == cudaSuccess && attr.sharedSizeBytes > 0;
+    if (ok)
+      ok = cudaFuncSetAttribute(wg_fwd_kernel<T, NKB, ARG>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                WgCfg<NKB>::SMEM) == cudaSuccess;
+    if (!ok) (void)cudaGetLastError();
+    state[dev] = ok ? 1 : -1;
+  }
+  return state[dev] == 1;
+}
+
+template <typename T>
+inline bool wgmma_available(int64_t dim, bool arg) {
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  int major = 0, minor = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+  if (major != 9 || minor != 0) return false;
+  if (dim <= 64) return arg ? wg_kernel_ready<T, 1, true>() : wg_kernel_ready<T, 1, false>();
+  return arg ? wg_kernel_ready<T, 2, true>() : wg_kernel_ready<T, 2, false>();
+}
+
+// Launches the persistent kernel over work items [item0, item0 + nitems).
+// p must be set up for BM = kWgBM, BN = kWgBN (qpt, tpq, mt_total, S,
+// row_mode, workspaces), exactly as for the other kernels.
+template <typename T>
+inline void launch_wgmma(bool arg, const FwdParams& p, int64_t dim, int64_t item0, int64_t nitems, int num_sms,
+                         cudaStream_t stream) {
+  if (nitems <= 0) return;
+  CUtensorMap map;
+  cuuint64_t gdim[2] = {(cuuint64_t)dim, (cuuint64_t)p.Td};
+  cuuint64_t gstride[1] = {(cuuint64_t)p.row_bytes};
+  cuuint32_t box[2] = {64, (cuuint32_t)kWgBN};
+  cuuint32_t estride[2] = {1, 1};
+  const CUtensorMapDataType dt =
+      std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  CUresult r = wg_encode_fn()(&map, dt, 2, const_cast<char*>(p.d), gdim, gstride, box, estride,
+                              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(r == CUDA_SUCCESS, "maxsim: cuTensorMapEncodeTiled failed (", (int)r, ")");
+  const unsigned grid = (unsigned)std::min<int64_t>(nitems, std::max(1, num_sms));
+  const bool small = dim <= 64;
+  // Contiguous item ranges when a doc chunk fits the stage ring (then the
+  // chunk is loaded once per CTA and shared by all its M tiles); strided
+  // otherwise (CTAs running together share each document through L2).
+  const int stages = small ? WgCfg<1>::STAGES : WgCfg<2>::STAGES;
+  const int64_t avg_chunk = (p.Nd > 0 ? p.Td / p.Nd : 0) / std::max(1, p.S);
+  int flags = (avg_chunk <= (int64_t)stages * kWgBN && nitems >= 2 * (int64_t)grid) ? kWgContiguous : 0;
+  if (wg_forced_flags() >= 0) flags = wg_forced_flags();
+  TORCH_CHECK(wgmma_available<T>(dim, arg), "maxsim: wgmma kernel unavailable");
+  if (small) {
+    if (arg)
+      wg_fwd_kernel<T, 1, true><<<grid, kWgThreads, WgCfg<1>::SMEM, stream>>>(map, p, item0, nitems, flags);
+    else
+      wg_fwd_kernel<T, 1, false><<<grid, kWgThreads, WgCfg<1>::SMEM, stream>>>(map, p, item0, nitems, flags);
+  } else {
+    if (arg)
+      wg_fwd_kernel<T, 2, true><<<grid, kWgThreads, WgCfg<2>::SMEM, stream>>>(map, p, item0, nitems, flags);
+    else
+      wg_fwd_kernel<T, 2, false><<<grid, kWgThreads, WgCfg<2>::SMEM, stream>>>(map, p, item0, nitems, flags);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Per-dtype entry points (defined in forward_wgmma_<dtype>.cu so the kernels
+// are compiled once).
+template <typename T>
+bool run_wgmma_available(int64_t dim, bool arg);
+template <typename T>
+void run_wgmma(bool arg, const FwdParams& p, int64_t dim, int64_t item0, int64_t nitems, int num_sms,
+               cudaStream_t stream);
+
+#define MAXSIM_DEFINE_WGMMA_RUNNERS(T)                                                                   \
+  template <>                                                                                            \
+  bool run_wgmma_available<T>(int64_t dim, bool arg) {                                                   \
+    return wgmma_available<T>(dim, arg);                                                                 \
+  }                                                                                                      \
+  template <>                                                                                            \
+  void run_wgmma<T>(bool arg, const FwdParams& p, int64_t dim, int64_t item0, int64_t nitems, int num_sms, \
+                    cudaStream_t stream) {                                                               \
+    launch_wgmma<T>(arg, p, dim, item0, nitems, num_sms, stream);                                        \
+  }
+
+}  // namespace cuda_fwd
+}  // namespace maxsim

@@ -1,0 +1,3 @@
+// Compile-check stand-in: torch headers only need the status type.
+#pragma once
+typedef int cusolverStatus_t;
