@@ -124,6 +124,8 @@ def maxsim_reference(Q, D, q_mask=None, d_mask=None, accum=torch.float64):
     the full grid: for small inputs only.
     """
     Qf, Df = Q.to(accum), D.to(accum)
+    q_mask = None if q_mask is None else q_mask.to(Q.device)
+    d_mask = None if d_mask is None else d_mask.to(Q.device)
     if D.dim() == 3:
         sim = torch.einsum("qid,njd->qnij", Qf, Df)
         dm = None if d_mask is None else d_mask[None, :, None, :]
