@@ -5,12 +5,18 @@
 #include "registration.h"
 #include "torch_binding.h"
 
+#define MAXSIM_FORWARD_ARGS                                              \
+  "(Tensor q, Tensor q_start, Tensor q_len, Tensor? q_mask, Tensor d, "    \
+  "Tensor d_start, Tensor d_len, Tensor? d_mask, Tensor? pair_q, "         \
+  "Tensor? pair_d, int layout, int lq, int argmax_kind, bool tf32) -> "    \
+  "(Tensor scores, Tensor argmax)"
+
 TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
-  ops.def(
-      "forward(Tensor q, Tensor q_start, Tensor q_len, Tensor? q_mask, "
-      "Tensor d, Tensor d_start, Tensor d_len, Tensor? d_mask, "
-      "Tensor? pair_q, Tensor? pair_d, int layout, int lq, int argmax_kind, "
-      "bool tf32) -> (Tensor scores, Tensor argmax)");
+  // Two names, one kernel: autograd is registered on forward_train only, so
+  // inference calls go straight to the device kernel without the autograd
+  // wrapper's cost.
+  ops.def("forward" MAXSIM_FORWARD_ARGS);
+  ops.def("forward_train" MAXSIM_FORWARD_ARGS);
   ops.def(
       "backward(Tensor grad, Tensor q, Tensor q_start, Tensor q_len, "
       "Tensor d, Tensor d_start, Tensor d_len, Tensor? pair_q, "
@@ -19,14 +25,17 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
       "bool need_dd) -> (Tensor dq, Tensor dd)");
 #if defined(CPU_KERNEL)
   ops.impl("forward", torch::kCPU, &maxsim::forward_cpu);
+  ops.impl("forward_train", torch::kCPU, &maxsim::forward_cpu);
   ops.impl("backward", torch::kCPU, &maxsim::backward_cpu);
 #endif
 #if defined(CUDA_KERNEL)
   ops.impl("forward", torch::kCUDA, &maxsim::forward_cuda);
+  ops.impl("forward_train", torch::kCUDA, &maxsim::forward_cuda);
   ops.impl("backward", torch::kCUDA, &maxsim::backward_cuda);
 #endif
 #if defined(METAL_KERNEL)
   ops.impl("forward", torch::kMPS, &maxsim::forward_mps);
+  ops.impl("forward_train", torch::kMPS, &maxsim::forward_mps);
   ops.impl("backward", torch::kMPS, &maxsim::backward_mps);
 #endif
 }

@@ -4,7 +4,8 @@ The schemas live in ``torch_binding.cpp``; this module makes them usable
 under ``torch.compile(fullgraph=True)`` (fake kernels), differentiable
 (``torch.library.register_autograd``) and complete on every device (a device
 whose build lacks an op gets the pure-PyTorch reference for it, recorded in
-``FALLBACKS`` so tests can insist there is none).
+``FALLBACKS`` so tests can insist there is none). ``forward`` and
+``forward_train`` share one kernel; only the latter carries autograd.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from . import reference
 from ._ops import add_op_namespace_prefix, ops
 
 FORWARD = add_op_namespace_prefix("forward")
+FORWARD_TRAIN = add_op_namespace_prefix("forward_train")
 BACKWARD = add_op_namespace_prefix("backward")
 
 #: (op name, dispatch key) pairs served by the Python reference.
@@ -37,6 +39,7 @@ def _argmax_empty(q, P, lq, argmax_kind):
     return q.new_empty((P, lq), dtype=torch.int16 if argmax_kind == 2 else torch.int32)
 
 
+@torch.library.register_fake(FORWARD_TRAIN)
 @torch.library.register_fake(FORWARD)
 def _forward_fake(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d,
                   layout, lq, argmax_kind, tf32):
@@ -91,7 +94,7 @@ def _backward(ctx, grad_scores, grad_argmax):
             None, None, None, None, None, None, None, None, None)
 
 
-torch.library.register_autograd(FORWARD, _backward, setup_context=_setup_context)
+torch.library.register_autograd(FORWARD_TRAIN, _backward, setup_context=_setup_context)
 
 
 def _warn_fallback(op: str, key: str) -> None:
@@ -115,7 +118,8 @@ def _reference_backward(grad, q, q_start, q_len, d, d_start, d_len, pair_q, pair
 
 def _register_fallbacks() -> None:
     for key in ("CPU", "CUDA", "MPS"):
-        for name, impl in ((FORWARD, _reference_forward), (BACKWARD, _reference_backward)):
+        for name, impl in ((FORWARD, _reference_forward), (FORWARD_TRAIN, _reference_forward),
+                           (BACKWARD, _reference_backward)):
             if not torch._C._dispatch_has_kernel_for_dispatch_key(name, key):
                 torch.library.impl(name, key)(impl)
                 FALLBACKS.add((name.split("::")[1], key))

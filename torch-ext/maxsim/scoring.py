@@ -121,10 +121,28 @@ def _validate_ids(name: str, ids: Tensor, n: int) -> None:
 # lowering helpers (device-side, no sync)
 # ----------------------------------------------------------------------------
 
+_SEGMENTS: dict = {}
+
+
+def _uniform_segments(n: int, extent: int, device) -> tuple[Tensor, Tensor]:
+    """(start, len) of n back-to-back segments of ``extent`` rows. Cached:
+    small launches here would cost more than a short forward kernel."""
+    key = (n, extent, str(device))
+    hit = _SEGMENTS.get(key)
+    if hit is not None:
+        return hit
+    seg = (torch.arange(n, device=device, dtype=torch.int32) * extent,
+           torch.full((n,), extent, device=device, dtype=torch.int32))
+    capturing = torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if not capturing and not torch.compiler.is_compiling() and len(_SEGMENTS) < 256:
+        _SEGMENTS[key] = seg
+    return seg
+
+
 def _padded_segments(n: int, extent: int, lengths: Optional[Tensor], device) -> tuple[Tensor, Tensor]:
-    start = torch.arange(n, device=device, dtype=torch.int32) * extent
+    start, full = _uniform_segments(n, extent, device)
     if lengths is None:
-        return start, torch.full((n,), extent, device=device, dtype=torch.int32)
+        return start, full
     lengths = lengths.reshape(-1)
     bad = (lengths < 0) | (lengths > extent)
     return start, torch.where(bad, -1, lengths).to(torch.int32)
@@ -157,8 +175,12 @@ def _argmax_kind(train: bool, with_argmax: bool, doc_bound: int) -> int:
 
 def _run(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d,
          layout, lq, argmax_kind, tf32):
-    return ops.forward(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask,
-                       pair_q, pair_d, layout, lq, argmax_kind, tf32)
+    # The autograd-carrying op only when a gradient can flow: it costs a
+    # Python autograd wrapper per call.
+    grad = torch.is_grad_enabled() and (q.requires_grad or d.requires_grad)
+    op = ops.forward_train if grad else ops.forward
+    return op(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask,
+              pair_q, pair_d, layout, lq, argmax_kind, tf32)
 
 
 def _i32(argmax: Tensor) -> Tensor:
