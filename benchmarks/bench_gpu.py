@@ -39,6 +39,16 @@ FORWARD = {
 }
 DIM = 128
 
+# Training: MaxSim op alone, forward + backward via scores.backward(g).
+TRAIN = {
+    "Contrastive": (32, 32, 32, 80),
+    "LongDocs": (32, 32, 32, 512),
+    "BigBatch": (64, 64, 32, 128),
+    "train-128": (128, 128, 32, 300),
+    "colpali-train-32": (32, 32, 128, 1024),
+    "colpali-train-128": (128, 128, 1024, 1024),
+}
+
 
 def load_maxsim():
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -180,6 +190,78 @@ def run_forward(ms, pe, only, bw, flops):
     return rows
 
 
+def train_impls(ms, pe):
+    impls = {"maxsim": lambda Q, D: ms.maxsim(Q, D),
+             "naive": lambda Q, D: torch.einsum("qid,njd->qnij", Q, D).amax(-1).float().sum(-1)}
+    if "lik" in pe:
+        impls["lik"] = lambda Q, D: pe["lik"].maxsim(Q, D)
+    if "flash-maxsim" in pe:
+        impls["flash-maxsim"] = lambda Q, D: pe["flash-maxsim"].flash_maxsim_batched_train(Q, D)
+    return impls
+
+
+def run_train(ms, pe, only):
+    rows = []
+    print(f"{'train workload':<18} {'impl':<14} {'fwd+bwd ms':>10} {'retained MiB':>12} {'peak MiB':>9} {'grad err':>9}")
+    for name, (nq, nb, lq, ld) in TRAIN.items():
+        if only and name not in only:
+            continue
+        Q0, D0 = make_inputs("shared", nq, nb, lq, ld)
+        g = torch.randn(nq, nb, device="cuda")
+        ref = None
+        if nq * nb * lq * ld <= 2**26:
+            Qr, Dr = Q0.double().requires_grad_(), D0.double().requires_grad_()
+            (torch.einsum("qid,njd->qnij", Qr, Dr).amax(-1).sum(-1) * g.double()).sum().backward()
+            ref = (Qr.grad, Dr.grad)
+            del Qr, Dr
+        for impl, fn in train_impls(ms, pe).items():
+            Q = Q0.clone().requires_grad_()
+            D = D0.clone().requires_grad_()
+            try:
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                s = fn(Q, D)
+                torch.cuda.synchronize()
+                retained = (torch.cuda.memory_allocated() - base - s.numel() * s.element_size()) / 2**20
+                s.backward(g)
+                torch.cuda.synchronize()
+                peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+                err = None
+                if ref is not None:
+                    err = max(((Q.grad.double() - ref[0]).norm() / ref[0].norm()).item(),
+                              ((D.grad.double() - ref[1]).norm() / ref[1].norm()).item())
+                    if not err < 2e-2:
+                        print(f"{name:<18} {impl:<14} WRONG grad relerr {err:.2e}")
+                        rows.append(dict(workload=name, impl=impl, dtype="bf16", fwd_bwd_ms=None, relerr=err))
+                        continue
+                del s
+
+                def step():
+                    Q.grad = D.grad = None
+                    fn(Q, D).backward(g)
+
+                t = bench(step)
+            except torch.cuda.OutOfMemoryError:
+                print(f"{name:<18} {impl:<14} out of memory")
+                rows.append(dict(workload=name, impl=impl, dtype="bf16", fwd_bwd_ms=None, error="oom"))
+                Q = D = None
+                torch.cuda.empty_cache()
+                continue
+            except Exception as e:  # noqa: BLE001
+                print(f"{name:<18} {impl:<14} failed: {type(e).__name__}: {str(e)[:80]}")
+                rows.append(dict(workload=name, impl=impl, dtype="bf16", fwd_bwd_ms=None, error=str(e)[:200]))
+                continue
+            es = "-" if err is None else f"{err:.1e}"
+            print(f"{name:<18} {impl:<14} {t:10.4f} {retained:12.2f} {peak:9.1f} {es:>9}", flush=True)
+            rows.append(dict(workload=name, impl=impl, dtype="bf16", fwd_bwd_ms=t, retained_mib=retained,
+                             peak_mib=peak, relerr=err))
+            Q = D = None
+        torch.cuda.empty_cache()
+    return rows
+
+
 COLD = r"""
 import os, sys, time, torch
 t0 = time.perf_counter()
@@ -222,6 +304,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="")
     ap.add_argument("--cold-start", action="store_true")
+    ap.add_argument("--train", action="store_true", help="also the training (fwd+bwd) rows")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     only = set(filter(None, args.only.split(",")))
@@ -231,6 +314,8 @@ def main():
     bw, flops = ceilings()
     print(f"{gpu}, torch {torch.__version__}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s")
     rows = run_forward(ms, pe, only, bw, flops)
+    if args.train:
+        rows += run_train(ms, pe, only)
     if args.cold_start:
         rows += cold_start(["naive", "maxsim"] + list(pe))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,

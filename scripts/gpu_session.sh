@@ -21,7 +21,7 @@ for step in "$@"; do
     build) time python3 tools/build.py --backend cuda 2>&1 | tee "$OUT/build.log" | tail -5; rc=$((rc | PIPESTATUS[0])) ;;
     test) python3 -m pytest tests -q -rfE -p no:cacheprovider --maxfail=20 -W ignore::UserWarning ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/test.log" | tail -25; rc=$((rc | PIPESTATUS[0])) ;;
     testk=*) python3 -m pytest tests -q -p no:cacheprovider -k "${step#testk=}" 2>&1 | tee "$OUT/test-k.log" | tail -25; rc=$((rc | PIPESTATUS[0])) ;;
-    bench) python3 benchmarks/bench_gpu.py --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"; rc=$((rc | PIPESTATUS[0])) ;;
+    bench) python3 benchmarks/bench_gpu.py --train --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"; rc=$((rc | PIPESTATUS[0])) ;;
     cold) python3 benchmarks/bench_gpu.py --only none --cold-start --out "$OUT/cold.json" 2>&1 | tee "$OUT/cold.log" ;;
     sanitize) compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest tests/test_forward.py -q -p no:cacheprovider -x -k "cuda" 2>&1 | tee "$OUT/memcheck.log" | tail -8; rc=$((rc | PIPESTATUS[0])) ;;
     *) echo "unknown step $step"; rc=1 ;;
