@@ -15,16 +15,24 @@ export CUTLASS_INCLUDE=${CUTLASS_INCLUDE:-/tmp/site/cutlass_library/source/inclu
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)" | tee -a "$OUT/gpu.txt"
 rc=0
-for step in "$@"; do
-  echo "=== $step ($(date +%T))"
-  case $step in
-    build) time python3 tools/build.py --backend cuda 2>&1 | tee "$OUT/build.log" | tail -5; rc=$((rc | PIPESTATUS[0])) ;;
-    test) python3 -m pytest tests -q -rfE -p no:cacheprovider --maxfail=20 -W ignore::UserWarning ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/test.log" | tail -25; rc=$((rc | PIPESTATUS[0])) ;;
-    testk=*) python3 -m pytest tests -q -p no:cacheprovider -k "${step#testk=}" 2>&1 | tee "$OUT/test-k.log" | tail -25; rc=$((rc | PIPESTATUS[0])) ;;
-    bench) python3 benchmarks/bench_gpu.py --train --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"; rc=$((rc | PIPESTATUS[0])) ;;
-    cold) python3 benchmarks/bench_gpu.py --only none --cold-start --out "$OUT/cold.json" 2>&1 | tee "$OUT/cold.log" ;;
-    sanitize) compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest tests/test_forward.py -q -p no:cacheprovider -x -k "cuda" 2>&1 | tee "$OUT/memcheck.log" | tail -8; rc=$((rc | PIPESTATUS[0])) ;;
-    *) echo "unknown step $step"; rc=1 ;;
+# step LOG CMD...: run CMD, keep its whole output in $OUT/LOG, show the tail.
+step() {
+  local log=$1; shift
+  "$@" > "$OUT/$log" 2>&1; local r=$?
+  tail -n 40 "$OUT/$log"
+  [ $r -eq 0 ] || echo "!!! $log exited $r"
+  rc=$((rc | r))
+}
+for s in "$@"; do
+  echo "=== $s ($(date +%T))"
+  case $s in
+    build) step build.log python3 tools/build.py --backend cuda ;;
+    test) step test.log python3 -m pytest tests -q -rfE -p no:cacheprovider --maxfail=20 -W ignore::UserWarning ${PYTEST_ARGS:-} ;;
+    bench) step bench.log python3 benchmarks/bench_gpu.py --train --out "$OUT/bench.json" ;;
+    cold) step cold.log python3 benchmarks/bench_gpu.py --only none --cold-start --out "$OUT/cold.json" ;;
+    sanitize) step memcheck.log compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest tests/test_forward.py tests/test_train.py -q -p no:cacheprovider -x -k cuda ;;
+    racecheck) step racecheck.log compute-sanitizer --tool racecheck --error-exitcode 9 python3 -m pytest tests/test_train.py -q -p no:cacheprovider -x -k "cuda and (deterministic or contrastive)" ;;
+    *) echo "unknown step $s"; rc=1 ;;
   esac
 done
 exit $rc
