@@ -18,6 +18,14 @@ gpu-test *args:
 cuda-compile-check:
     MAXSIM_CUDA_ARCHS="8.0;9.0a" {{py}} tools/build.py --check-cuda-compile
 
+# Metal backend on a Mac: offline shader compile check, then the suite on MPS (matrix and scalar paths)
+metal-test *args:
+    mkdir -p .cache
+    xcrun -sdk macosx metal -std=metal3.0 -Wall -c maxsim-metal/maxsim.metal -o .cache/maxsim.air
+    xcrun -sdk macosx metallib .cache/maxsim.air -o .cache/maxsim.metallib
+    MAXSIM_BACKEND=metal bash scripts/test.sh {{args}}
+    MAXSIM_METAL_PATH=simt {{py}} -m pytest tests -q -p no:cacheprovider -k mps {{args}}
+
 # Run example NN (01 quickstart, ...)
 example NN:
     bash scripts/setup.sh && {{py}} examples/{{NN}}_*.py

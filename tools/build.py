@@ -86,7 +86,7 @@ def sources(cfg: dict, backend: str) -> list[Path]:
     for kernel in cfg.get("kernel", {}).values():
         # The CUDA variant also carries the CPU kernels, so CPU tensors keep a
         # compiled path in a GPU install.
-        if kernel["backend"] == backend or (backend == "cuda" and kernel["backend"] == "cpu"):
+        if kernel["backend"] == backend or (backend in ("cuda", "metal") and kernel["backend"] == "cpu"):
             srcs += [ROOT / s for s in kernel["src"] if s.endswith((".cpp", ".cu", ".mm"))]
     return srcs
 
@@ -94,7 +94,7 @@ def sources(cfg: dict, backend: str) -> list[Path]:
 def all_files(cfg: dict, backend: str) -> list[Path]:
     files = [ROOT / s for s in cfg["torch"]["src"]]
     for kernel in cfg.get("kernel", {}).values():
-        if kernel["backend"] == backend or (backend == "cuda" and kernel["backend"] == "cpu"):
+        if kernel["backend"] == backend or (backend in ("cuda", "metal") and kernel["backend"] == "cpu"):
             files += [ROOT / s for s in kernel["src"]]
     return files
 
@@ -117,6 +117,8 @@ def variant_name(backend: str) -> str:
         tag = "cpu"
     elif backend == "cuda":
         tag = "cu" + torch.version.cuda.replace(".", "")[:3]
+    elif backend == "metal":
+        tag = "metal"
     else:
         tag = backend
     return f"torch{major}{minor}-cxx11-{tag}-{arch}-{osname}"
@@ -182,6 +184,12 @@ def build(backend: str, out: Path, verbose: bool) -> Path:
         cutlass = os.environ.get("CUTLASS_INCLUDE")
         if cutlass:
             include.append(cutlass)
+    ldflags = ["-fopenmp"]
+    if backend == "metal":
+        # macOS: Objective-C++ glue, shaders compiled at first use from the
+        # checkout (maxsim-metal/), Apple clang has no -fopenmp.
+        cflags = [f for f in cflags if f not in ("-fopenmp", "-march=native")] + ["-DMETAL_KERNEL"]
+        ldflags = ["-framework", "Metal", "-framework", "Foundation"]
     os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 2))
     cpp_extension.load(
         name=ext,
@@ -189,7 +197,7 @@ def build(backend: str, out: Path, verbose: bool) -> Path:
         extra_include_paths=include,
         extra_cflags=cflags,
         extra_cuda_cflags=cuda_flags,
-        extra_ldflags=["-fopenmp"],
+        extra_ldflags=ldflags,
         build_directory=str(cache),
         is_python_module=False,
         verbose=verbose,
@@ -256,7 +264,7 @@ def check_cuda_compile(archs: list[str]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--backend", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--backend", default="cpu", choices=["cpu", "cuda", "metal"])
     ap.add_argument("--out", default=str(ROOT / "build"))
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--check-cuda-compile", action="store_true")
