@@ -4,9 +4,11 @@
 // sums its contributions in a fixed order. dq rows are owned by their query
 // (tasks = blocks of query rows, looping over the query's pairs); dd rows by
 // their document (tasks = chunks of document rows, scanning the argmax rows
-// of the document's pairs). Gradients accumulate in an fp32 buffer that is
-// cast to the input dtype at the end (the output itself when fp32).
-// Assumes segments of one side do not overlap, as the Python lowering makes.
+// of the document's pairs). A task sums into a small fp32 scratch and writes
+// its rows once, in the input dtype: outputs are as large as the inputs, so
+// they are touched once (no zero-fill pass). Rows outside every segment are
+// zeroed separately. Assumes segments of one side do not overlap, as the
+// Python lowering makes them.
 #include "tile_kernels.h"
 #include "torch_binding.h"
 
@@ -14,8 +16,9 @@ namespace maxsim {
 namespace {
 using namespace cpu;
 
-constexpr int64_t kRowBlock = 8;   // query rows per dq task
-constexpr int64_t kMinChunk = 16;  // smallest document chunk per dd task
+constexpr int64_t kRowBlock = 8;    // query rows per dq task
+constexpr int64_t kMinChunk = 16;   // smallest document chunk per dd task
+constexpr int64_t kMaxChunk = 256;  // largest (bounds the scratch)
 
 inline void axpy(float* __restrict y, float a, const float* __restrict x, int64_t n) {
   for (int64_t k = 0; k < n; ++k) y[k] += a * x[k];
@@ -23,6 +26,33 @@ inline void axpy(float* __restrict y, float a, const float* __restrict x, int64_
 template <class T>
 inline void axpy(float* __restrict y, float a, const T* __restrict x, int64_t n) {
   for (int64_t k = 0; k < n; ++k) y[k] += a * to_f32(x[k]);
+}
+
+template <class T>
+inline void store_rows(T* __restrict dst, const float* __restrict src, int64_t n) {
+  for (int64_t k = 0; k < n; ++k) dst[k] = from_f32<T>(src[k]);
+}
+
+// Zeroes the rows of out [rows, dim] that no valid segment owns.
+template <class T>
+void zero_unowned(T* out, int64_t rows, int64_t dim, const int32_t* start, const int32_t* len,
+                  int64_t n, int64_t width) {
+  int64_t next = 0;  // segments laid end to end over [0, rows): nothing to do
+  bool tiled = true;
+  for (int64_t i = 0; i < n && tiled; ++i) {
+    const int64_t r = seg_rows(start, len, i, width, rows);
+    tiled = r == len[i] && (r == 0 || start[i] == next);
+    next += std::max<int64_t>(r, 0);
+  }
+  if (tiled && next == rows) return;
+  std::vector<int32_t> cover(rows + 1, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t r = seg_rows(start, len, i, width, rows);
+    if (r > 0) ++cover[start[i]], --cover[start[i] + r];
+  }
+  int32_t c = 0;
+  for (int64_t t = 0; t < rows; ++t)
+    if ((c += cover[t]) == 0) std::fill(out + t * dim, out + (t + 1) * dim, from_f32<T>(0.f));
 }
 
 // Expands the per-item work counts into prefix offsets so that tasks can be
@@ -39,8 +69,8 @@ void backward_impl(const float* grad, const T* q, const T* d, int64_t Tq, int64_
                    const int32_t* qs, const int32_t* ql, int64_t Nq, const int32_t* ds,
                    const int32_t* dl, int64_t Nd, const int32_t* pq, const int32_t* pd,
                    const A* am, int64_t P, int64_t lq, int64_t layout, const int32_t* qptr,
-                   const int32_t* qpairs, const int32_t* dptr, const int32_t* dpairs, float* dq,
-                   float* dd) {
+                   const int32_t* qpairs, const int32_t* dptr, const int32_t* dpairs, T* dq,
+                   T* dd) {
   const int64_t K = (layout == kGrouped && Nq > 0) ? Nd / Nq : 0;
   auto qid = [&](int64_t p) -> int64_t {
     return layout == kCross ? p / Nd : layout == kGrouped ? p / K : pq[p];
@@ -73,60 +103,70 @@ void backward_impl(const float* grad, const T* q, const T* d, int64_t Tq, int64_
   const int64_t nthreads = at::get_num_threads();
 
   if (dq) {
+    zero_unowned(dq, Tq, dim, qs, ql, Nq, lq);
     std::vector<int64_t> off;
     const int64_t ntask = prefix(off, Nq, [&](int64_t n) {
       const int64_t r = seg_rows(qs, ql, n, lq, Tq);
       return r > 0 ? (r + kRowBlock - 1) / kRowBlock : 0;
     });
     parallel_items(ntask, ntask / (8 * nthreads), [&](auto&& grab) {
+      Scratch scratch;
+      float* acc = scratch.get(size_t(kRowBlock * dim));
       int64_t b, e;
       while (grab(b, e))
         for (int64_t t = b; t < e; ++t) {
           const int64_t n = std::upper_bound(off.begin(), off.end(), t) - off.begin() - 1;
           const int64_t i0 = (t - off[n]) * kRowBlock;
           const int64_t i1 = std::min(seg_rows(qs, ql, n, lq, Tq), i0 + kRowBlock);
-          float* out = dq + (qs[n] + i0) * dim;  // rows owned by this task
+          std::fill(acc, acc + (i1 - i0) * dim, 0.f);
           q_pairs_of(n, [&](int64_t p) {
             int64_t nq, nd;
             if (p < 0 || p >= P || qid(p) != n || !pair_rows(p, nq, nd)) return;
             const T* drow = d + int64_t(ds[did(p)]) * dim;
             for (int64_t i = i0; i < i1; ++i) {
               const int64_t a = am[p * lq + i];
-              if (a >= 0 && a < nd) axpy(out + (i - i0) * dim, grad[p], drow + a * dim, dim);
+              if (a >= 0 && a < nd) axpy(acc + (i - i0) * dim, grad[p], drow + a * dim, dim);
             }
           });
+          store_rows(dq + (qs[n] + i0) * dim, acc, (i1 - i0) * dim);
         }
     });
   }
 
   if (dd) {
-    // Split a document only as far as parallelism needs: every chunk of it
-    // rescans the argmax rows of all its pairs.
+    zero_unowned(dd, Td, dim, ds, dl, Nd, kNoWidth);
+    // Split documents further only as parallelism needs: every chunk of a
+    // document rescans the argmax rows of all its pairs.
     const int64_t split = std::max<int64_t>(1, (4 * nthreads + Nd - 1) / std::max<int64_t>(Nd, 1));
     std::vector<int64_t> off, csize(Nd);
     const int64_t ntask = prefix(off, Nd, [&](int64_t m) {
       const int64_t r = seg_rows(ds, dl, m, kNoWidth, Td);
       if (r <= 0) return int64_t(0);
-      const int64_t c = std::min(split, (r + kMinChunk - 1) / kMinChunk);
+      const int64_t c = std::max((r + kMaxChunk - 1) / kMaxChunk,
+                                 std::min(split, (r + kMinChunk - 1) / kMinChunk));
       csize[m] = (r + c - 1) / c;
       return (r + csize[m] - 1) / csize[m];
     });
     parallel_items(ntask, ntask / (8 * nthreads), [&](auto&& grab) {
+      Scratch scratch;
+      float* acc = scratch.get(size_t(kMaxChunk * dim));
       int64_t b, e;
       while (grab(b, e))
         for (int64_t t = b; t < e; ++t) {
           const int64_t m = std::upper_bound(off.begin(), off.end(), t) - off.begin() - 1;
-          const int64_t j0 = (t - off[m]) * csize[m], j1 = j0 + csize[m];
-          float* out = dd + (ds[m] + j0) * dim;  // rows j0 .. j1-1 owned by this task
+          const int64_t j0 = (t - off[m]) * csize[m];
+          const int64_t j1 = std::min(j0 + csize[m], seg_rows(ds, dl, m, kNoWidth, Td));
+          std::fill(acc, acc + (j1 - j0) * dim, 0.f);
           d_pairs_of(m, [&](int64_t p) {
             int64_t nq, nd;
             if (p < 0 || p >= P || did(p) != m || !pair_rows(p, nq, nd)) return;
             const T* qrow = q + int64_t(qs[qid(p)]) * dim;
             for (int64_t i = 0; i < nq; ++i) {
               const int64_t a = am[p * lq + i];
-              if (a >= j0 && a < j1 && a < nd) axpy(out + (a - j0) * dim, grad[p], qrow + i * dim, dim);
+              if (a >= j0 && a < j1) axpy(acc + (a - j0) * dim, grad[p], qrow + i * dim, dim);
             }
           });
+          store_rows(dd + (ds[m] + j0) * dim, acc, (j1 - j0) * dim);
         }
     });
   }
@@ -190,36 +230,33 @@ std::tuple<at::Tensor, at::Tensor> backward_cpu(
   }
   TORCH_CHECK(P == 0 || P == expectP, "maxsim backward_cpu: argmax has ", P, " rows, expected ", expectP);
 
-  const bool f32 = q.scalar_type() == at::kFloat;
-  auto acc_opts = q.options().dtype(at::kFloat);
-  at::Tensor dq = need_dq ? at::zeros(q.sizes(), acc_opts) : q.new_empty({0});
-  at::Tensor dd = need_dd ? at::zeros(d.sizes(), acc_opts) : d.new_empty({0});
-  if (P > 0 && lq > 0 && (need_dq || need_dd)) {
-    const int32_t* pq = layout == kList ? pair_q->data_ptr<int32_t>() : nullptr;
-    const int32_t* pd = layout == kList ? pair_d->data_ptr<int32_t>() : nullptr;
-    const int32_t* qp = layout == kList ? q_ptr->data_ptr<int32_t>() : nullptr;
-    const int32_t* qpp = layout == kList ? q_pairs->data_ptr<int32_t>() : nullptr;
-    const int32_t* dp = layout == kList ? d_ptr->data_ptr<int32_t>() : nullptr;
-    const int32_t* dpp = layout == kList ? d_pairs->data_ptr<int32_t>() : nullptr;
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "maxsim_backward_cpu", [&] {
-      auto go = [&](auto* am) {
-        backward_impl(grad.data_ptr<float>(), q.data_ptr<scalar_t>(), d.data_ptr<scalar_t>(),
-                      q.size(0), d.size(0), q.size(1), q_start.data_ptr<int32_t>(),
-                      q_len.data_ptr<int32_t>(), Nq, d_start.data_ptr<int32_t>(),
-                      d_len.data_ptr<int32_t>(), Nd, pq, pd, am, P, lq, layout, qp, qpp, dp, dpp,
-                      need_dq ? dq.data_ptr<float>() : nullptr,
-                      need_dd ? dd.data_ptr<float>() : nullptr);
-      };
-      if (argmax.scalar_type() == at::kShort)
-        go(argmax.data_ptr<int16_t>());
-      else
-        go(argmax.data_ptr<int32_t>());
-    });
+  at::Tensor dq = need_dq ? at::empty(q.sizes(), q.options()) : q.new_empty({0});
+  at::Tensor dd = need_dd ? at::empty(d.sizes(), d.options()) : d.new_empty({0});
+  if (P == 0 || lq == 0) {  // nothing selected
+    if (need_dq) dq.zero_();
+    if (need_dd) dd.zero_();
+    return {dq, dd};
   }
-  if (!f32) {
-    if (need_dq) dq = dq.to(q.scalar_type());
-    if (need_dd) dd = dd.to(d.scalar_type());
-  }
+  const int32_t* pq = layout == kList ? pair_q->data_ptr<int32_t>() : nullptr;
+  const int32_t* pd = layout == kList ? pair_d->data_ptr<int32_t>() : nullptr;
+  const int32_t* qp = layout == kList ? q_ptr->data_ptr<int32_t>() : nullptr;
+  const int32_t* qpp = layout == kList ? q_pairs->data_ptr<int32_t>() : nullptr;
+  const int32_t* dp = layout == kList ? d_ptr->data_ptr<int32_t>() : nullptr;
+  const int32_t* dpp = layout == kList ? d_pairs->data_ptr<int32_t>() : nullptr;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "maxsim_backward_cpu", [&] {
+    auto go = [&](auto* am) {
+      backward_impl(grad.data_ptr<float>(), q.data_ptr<scalar_t>(), d.data_ptr<scalar_t>(),
+                    q.size(0), d.size(0), q.size(1), q_start.data_ptr<int32_t>(),
+                    q_len.data_ptr<int32_t>(), Nq, d_start.data_ptr<int32_t>(),
+                    d_len.data_ptr<int32_t>(), Nd, pq, pd, am, P, lq, layout, qp, qpp, dp, dpp,
+                    need_dq ? dq.data_ptr<scalar_t>() : nullptr,
+                    need_dd ? dd.data_ptr<scalar_t>() : nullptr);
+    };
+    if (argmax.scalar_type() == at::kShort)
+      go(argmax.data_ptr<int16_t>());
+    else
+      go(argmax.data_ptr<int32_t>());
+  });
   return {dq, dd};
 }
 

@@ -2,12 +2,15 @@
 // pair layouts of torch_binding.h.
 //
 // Work item = one document with the queries scored against it (CROSS: a block
-// of queries, GROUPED / LIST: one). Per item the document is streamed in
-// chunks of DT tokens (fp32 documents without mask are read in place, others
-// are converted / compacted into a chunk buffer); every query block runs the
-// micro-kernel over the chunk and folds into its running max. Scratch per
-// thread: one packed query group, one doc chunk, the running states.
-#include <cmath>
+// of queries packed together, GROUPED / LIST: one). Consecutive items of a
+// thread usually share the query, which then stays packed. The document is
+// streamed in chunks of DT tokens (fp32 without mask read in place, otherwise
+// converted / compacted into a chunk buffer) and every packed query block
+// runs the micro-kernel over each chunk. When there are too few pairs to
+// occupy the threads, documents are split into parts whose per-row maxima
+// are merged afterwards (exactly, in token order: results do not depend on
+// the thread count). Scratch per thread: a packed query group, one document
+// chunk, the running states.
 #include <limits>
 #include <type_traits>
 
@@ -27,17 +30,32 @@ struct Fwd {
   float* score;
   int32_t* am32;
   int16_t* am16;
+  void set_arg(int64_t o, int32_t a) const {
+    if (am32) am32[o] = a;
+    if (am16) am16[o] = int16_t(a);
+  }
 };
+
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// First valid token of a document (argmax when every sim is -inf), -1: none.
+inline int64_t first_valid(const bool* dm, int64_t d0, int64_t dlen) {
+  for (int64_t j = 0; j < dlen; ++j)
+    if (!dm || dm[d0 + j]) return j;
+  return -1;
+}
 
 template <class T>
 struct Worker {
   const Fwd<T>& f;
   struct QInfo {
-    int64_t nrows, row0, blk0, nblk;  // nrows < 0: invalid query
+    int64_t nrows, row0;  // nrows < 0: invalid query; rows row0 .. of the group
   };
   int64_t key = -1;  // which query group is packed
   std::vector<QInfo> qi;
   std::vector<int32_t> qrow;  // query row (within its query) of each packed row
+  std::vector<int64_t> qsrc;  // source row in q of each packed row
   std::vector<int64_t> blkoff;
   std::vector<int8_t> blknv;
   std::vector<RowState> st;
@@ -47,66 +65,49 @@ struct Worker {
 
   explicit Worker(const Fwd<T>& f) : f(f), jmap(f.DT) {}
 
-  // Packs queries n0 .. n0+cnt-1: valid (unmasked) rows compacted, blocks of
-  // QW rows transposed to [dim][nv*W], padding lanes zero.
+  // Packs queries n0 .. n0+cnt-1: their valid (unmasked) rows, concatenated,
+  // in blocks of QW rows transposed to [dim][nv*W] (padding lanes zero). A
+  // block may hold rows of several queries, so short queries fill the lanes.
   void pack(int64_t key_, int64_t n0, int64_t cnt) {
     if (key_ == key) return;
     key = key_;
-    qi.clear(), qrow.clear(), blkoff.clear(), blknv.clear();
-    int64_t total = 0;
+    qi.clear(), qrow.clear(), qsrc.clear(), blkoff.clear(), blknv.clear();
     for (int64_t n = n0; n < n0 + cnt; ++n) {
-      QInfo x{-1, int64_t(qrow.size()), int64_t(blkoff.size()), 0};
+      QInfo x{-1, int64_t(qrow.size())};
       const int64_t rows = (n >= 0 && n < f.Nq) ? seg_rows(f.qs, f.ql, n, f.lq, f.Tq) : -1;
-      if (rows >= 0) {
-        for (int64_t i = 0; i < rows; ++i)
-          if (!f.qm || f.qm[f.qs[n] + i]) qrow.push_back(int32_t(i));
-        x.nrows = int64_t(qrow.size()) - x.row0;
-        x.nblk = (x.nrows + QW - 1) / QW;
-        for (int64_t b = 0; b < x.nblk; ++b) {
-          const int nv = std::min<int64_t>(QW, x.nrows - b * QW) > W ? 2 : 1;
-          blkoff.push_back(total);
-          blknv.push_back(int8_t(nv));
-          total += f.dim * nv * W;
-        }
-      }
+      for (int64_t i = 0; i < rows; ++i)
+        if (!f.qm || f.qm[f.qs[n] + i]) qrow.push_back(int32_t(i)), qsrc.push_back(f.qs[n] + i);
+      if (rows >= 0) x.nrows = int64_t(qrow.size()) - x.row0;
       qi.push_back(x);
+    }
+    const int64_t R = int64_t(qrow.size());
+    int64_t total = 0;
+    for (int64_t r0 = 0; r0 < R; r0 += QW) {
+      const int nv = std::min<int64_t>(QW, R - r0) > W ? 2 : 1;
+      blkoff.push_back(total);
+      blknv.push_back(int8_t(nv));
+      total += f.dim * nv * W;
     }
     qbuf = qs_.get(size_t(total));
     std::fill(qbuf, qbuf + total, 0.f);
-    for (int64_t g = 0; g < cnt; ++g) {
-      const QInfo& x = qi[g];
-      for (int64_t t = 0; t < std::max<int64_t>(x.nrows, 0); ++t) {
-        const int64_t b = x.blk0 + t / QW, stride = blknv[b] * W;
-        const T* src = f.q + (f.qs[n0 + g] + qrow[x.row0 + t]) * f.dim;
-        float* dst = qbuf + blkoff[b] + t % QW;
-        for (int64_t k = 0; k < f.dim; ++k) dst[k * stride] = to_f32(src[k]);
-      }
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t stride = blknv[r / QW] * W;
+      const T* src = f.q + qsrc[r] * f.dim;
+      float* dst = qbuf + blkoff[r / QW] + r % QW;
+      for (int64_t k = 0; k < f.dim; ++k) dst[k * stride] = to_f32(src[k]);
     }
   }
 
-  // Scores document m against the packed group; pair_of(g) = pair index of
-  // the group's g-th query.
-  template <class PairOf>
-  void run(int64_t m, const PairOf& pair_of) {
-    const float nan = std::numeric_limits<float>::quiet_NaN();
-    const int64_t G = int64_t(qi.size());
-    const int64_t dlen = (m >= 0 && m < f.Nd) ? seg_rows(f.ds, f.dl, m, kNoWidth, f.Td) : -1;
-    if (dlen < 0) {
-      for (int64_t g = 0; g < G; ++g) f.score[pair_of(g)] = nan;
-      return;
-    }
-    const int64_t d0 = f.ds[m], dim = f.dim;
-    int64_t first = -1;  // first valid doc token: argmax when every sim is -inf
-    for (int64_t j = 0; j < dlen && first < 0; ++j)
-      if (!f.dm || f.dm[d0 + j]) first = j;
-    st.resize(blkoff.size());
-    for (auto& s : st) s.reset();
-    constexpr bool kF32 = std::is_same<T, float>::value;
-    for (int64_t c0 = 0; first >= 0 && c0 < dlen; c0 += f.DT) {
-      const int64_t c1 = std::min(dlen, c0 + f.DT);
+  // Folds tokens [jb, je) of the document starting at row d0 into the running
+  // states of every packed query block.
+  void fold(int64_t d0, int64_t jb, int64_t je) {
+    const int64_t dim = f.dim;
+    const bool direct = std::is_same<T, float>::value && !f.dm;  // rows read in place
+    for (int64_t c0 = jb; c0 < je; c0 += f.DT) {
+      const int64_t c1 = std::min(je, c0 + f.DT);
       const float* rows;
       int64_t nr = 0;
-      if (kF32 && !f.dm) {
+      if (direct) {
         rows = reinterpret_cast<const float*>(f.d) + (d0 + c0) * dim;
         for (int64_t j = c0; j < c1; ++j) jmap[nr++] = int32_t(j);
       } else {
@@ -118,40 +119,117 @@ struct Worker {
         }
         rows = buf;
       }
-      for (int64_t g = 0; g < G; ++g) {
-        const QInfo& x = qi[g];
-        for (int64_t b = x.blk0; b < x.blk0 + x.nblk; ++b) {
-          const auto& tiles = kTiles[blknv[b] - 1];
-          for (int64_t j0 = 0; j0 < nr; j0 += RMAX) {
-            const int64_t r = std::min<int64_t>(RMAX, nr - j0);
-            tiles[r - 1](qbuf + blkoff[b], rows + j0 * dim, dim, dim, jmap.data() + j0, st[b]);
-          }
+      // Prefetch what the following tiles read from DRAM: the next tile for
+      // in-place fp32 rows, else the raw rows after this chunk (the next
+      // chunk, or usually the next document).
+      const int64_t pf_tile = RMAX * dim * int64_t(direct ? 4 : sizeof(T));
+      const uintptr_t pf0 = direct ? reinterpret_cast<uintptr_t>(rows) + pf_tile
+                                   : reinterpret_cast<uintptr_t>(f.d) + (d0 + c1) * dim * sizeof(T);
+      for (size_t b = 0; b < blkoff.size(); ++b) {
+        const auto& tiles = kTiles[blknv[b] - 1];
+        for (int64_t j0 = 0; j0 < nr; j0 += RMAX) {
+          const int64_t r = std::min<int64_t>(RMAX, nr - j0);
+          tiles[r - 1](qbuf + blkoff[b], rows + j0 * dim, dim, dim, jmap.data() + j0,
+                       pf0 + j0 / RMAX * pf_tile, pf_tile / 64, st[b]);
         }
       }
     }
+  }
+
+  void reset_states() {
+    st.resize(blkoff.size());
+    for (auto& s : st) s.reset();
+  }
+  // Packed row t of query x: (running max, argmax or -1).
+  std::pair<float, int32_t> lane(const QInfo& x, int64_t t) const {
+    const RowState& s = st[(x.row0 + t) / QW];
+    const int l = int((x.row0 + t) % QW);
+    return {s.cur[l / W][l % W], s.arg[l / W][l % W]};
+  }
+
+  // Scores document m against the packed group; pair_of(g) = pair index of
+  // the group's g-th query.
+  template <class PairOf>
+  void run(int64_t m, const PairOf& pair_of) {
+    const int64_t G = int64_t(qi.size());
+    const int64_t dlen = (m >= 0 && m < f.Nd) ? seg_rows(f.ds, f.dl, m, kNoWidth, f.Td) : -1;
+    if (dlen < 0) {
+      for (int64_t g = 0; g < G; ++g) f.score[pair_of(g)] = kNaN;
+      return;
+    }
+    const int64_t d0 = f.ds[m], first = first_valid(f.dm, d0, dlen);
+    reset_states();
+    if (first >= 0) fold(d0, 0, dlen);
     for (int64_t g = 0; g < G; ++g) {
       const QInfo& x = qi[g];
       const int64_t p = pair_of(g);
       if (x.nrows < 0) {
-        f.score[p] = nan;
+        f.score[p] = kNaN;
         continue;
       }
       double sum = 0;  // fp32 sims, summed exactly enough to match any order
       for (int64_t t = 0; first >= 0 && t < x.nrows; ++t) {
-        const RowState& s = st[x.blk0 + t / QW];
-        const int lane = int(t % QW);
-        float val = s.cur[lane / W][lane % W];
-        int32_t a = s.arg[lane / W][lane % W];
-        if (a < 0) val = -std::numeric_limits<float>::infinity(), a = int32_t(first);
+        auto [val, a] = lane(x, t);
+        if (a < 0) val = -kInf, a = int32_t(first);
         sum += val;
-        const int64_t o = p * f.lq + qrow[x.row0 + t];
-        if (f.am32) f.am32[o] = a;
-        if (f.am16) f.am16[o] = int16_t(a);
+        f.set_arg(p * f.lq + qrow[x.row0 + t], a);
       }
       f.score[p] = float(sum);
     }
   }
+
+  // Part s of S of pair p's document (a single packed query): raw per-row
+  // states into pv / pa [P, S, lq], combined later by merge_parts.
+  void run_part(int64_t m, int64_t p, int64_t s, int64_t S, float* pv, int32_t* pa) {
+    const int64_t dlen = (m >= 0 && m < f.Nd) ? seg_rows(f.ds, f.dl, m, kNoWidth, f.Td) : -1;
+    const QInfo& x = qi[0];
+    if (dlen <= 0 || x.nrows <= 0) return;
+    const int64_t span = ((dlen + S - 1) / S + RMAX - 1) / RMAX * RMAX;
+    const int64_t jb = s * span, je = std::min(dlen, jb + span);
+    if (jb >= je) return;
+    reset_states();
+    fold(f.ds[m], jb, je);
+    for (int64_t t = 0; t < x.nrows; ++t) {
+      const int64_t o = (p * S + s) * f.lq + qrow[x.row0 + t];
+      std::tie(pv[o], pa[o]) = lane(x, t);
+    }
+  }
 };
+
+// Combines the parts of every pair in document order with the fold's rules
+// (first NaN wins, else strictly greater), then scores as Worker::run does.
+template <class T, class Ids>
+void merge_parts(const Fwd<T>& f, int64_t P, int64_t S, const float* pv, const int32_t* pa,
+                 const Ids& ids) {
+  parallel_items(P, 1 + P / (8 * at::get_num_threads()), [&](auto&& grab) {
+    int64_t b, e;
+    while (grab(b, e))
+      for (int64_t p = b; p < e; ++p) {
+        auto [n, m] = ids(p);
+        const int64_t rows = (n >= 0 && n < f.Nq) ? seg_rows(f.qs, f.ql, n, f.lq, f.Tq) : -1;
+        const int64_t dlen = (m >= 0 && m < f.Nd) ? seg_rows(f.ds, f.dl, m, kNoWidth, f.Td) : -1;
+        if (rows < 0 || dlen < 0) {
+          f.score[p] = kNaN;
+          continue;
+        }
+        const int64_t first = first_valid(f.dm, f.ds[m], dlen);
+        double sum = 0;
+        for (int64_t i = 0; first >= 0 && i < rows; ++i) {
+          if (f.qm && !f.qm[f.qs[n] + i]) continue;
+          float val = -kInf;
+          int32_t a = -1;
+          for (int64_t s = 0; s < S; ++s) {
+            const int64_t o = (p * S + s) * f.lq + i;
+            if (pa[o] >= 0 && !(pv[o] <= val) && val == val) val = pv[o], a = pa[o];
+          }
+          if (a < 0) val = -kInf, a = int32_t(first);
+          sum += val;
+          f.set_arg(p * f.lq + i, a);
+        }
+        f.score[p] = float(sum);
+      }
+  });
+}
 
 inline void check_index(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kInt && t.dim() == 1 &&
@@ -228,45 +306,51 @@ std::tuple<at::Tensor, at::Tensor> forward_cpu(
     f.am32 = argmax_kind == kArgmaxI32 ? argmax.data_ptr<int32_t>() : nullptr;
     f.am16 = argmax_kind == kArgmaxI16 ? argmax.data_ptr<int16_t>() : nullptr;
 
+    // Work items: CROSS a block of QB queries x one document (the block
+    // shares each document chunk; sized near L2, leaving items for every
+    // thread), GROUPED / LIST one pair. When pairs are too few to occupy the
+    // threads, each document is split into S parts, merged afterwards.
+    int64_t QB = 1, items = P;
     if (layout == kCross) {
-      // A block of QB queries shares each document chunk; keep the packed
-      // block near L2 size and leave enough items for every thread.
-      int64_t QB = std::max<int64_t>(1, std::min<int64_t>(Nq, 512 / std::max<int64_t>(lq, 1)));
+      QB = std::max<int64_t>(1, std::min<int64_t>(Nq, 512 / std::max<int64_t>(lq, 1)));
       while (QB > 1 && (Nq + QB - 1) / QB * Nd < 8 * nthreads) QB = (QB + 1) / 2;
-      const int64_t items = (Nq + QB - 1) / QB * Nd;
-      parallel_items(items, items / (8 * nthreads), [&](auto&& grab) {
-        Worker<scalar_t> w(f);
-        int64_t b, e;
-        while (grab(b, e))
-          for (int64_t k = b; k < e; ++k) {
+      items = (Nq + QB - 1) / QB * Nd;
+    }
+    int64_t S = 1;
+    if (QB == 1 && items < 4 * nthreads) {
+      const int64_t ld = Nd ? d_len.max().item<int32_t>() : 0;
+      S = std::max<int64_t>(1, std::min((4 * nthreads + items - 1) / items, ld / 256));
+    }
+    const int64_t K = layout == kGrouped ? Nd / Nq : 1;
+    const int32_t* pq = layout == kList ? pair_q->data_ptr<int32_t>() : nullptr;
+    const int32_t* pd = layout == kList ? pair_d->data_ptr<int32_t>() : nullptr;
+    auto ids = [&](int64_t p) -> std::pair<int64_t, int64_t> {
+      return layout == kCross ? std::make_pair(p / Nd, p % Nd)
+             : layout == kGrouped ? std::make_pair(p / K, p)
+                                  : std::make_pair(int64_t(pq[p]), int64_t(pd[p]));
+    };
+    std::vector<float> pv(S > 1 ? P * S * lq : 0, -kInf);
+    std::vector<int32_t> pa(pv.size(), -1);
+    parallel_items(items * S, items * S / (8 * nthreads), [&](auto&& grab) {
+      Worker<scalar_t> w(f);
+      int64_t b, e;
+      while (grab(b, e))
+        for (int64_t it = b; it < e; ++it) {
+          const int64_t k = it / S;
+          if (layout == kCross) {
             const int64_t g = k / Nd, m = k % Nd, n0 = g * QB;
             w.pack(g, n0, std::min(QB, Nq - n0));
-            w.run(m, [&](int64_t i) { return (n0 + i) * Nd + m; });
+            if (S == 1) w.run(m, [&](int64_t i) { return (n0 + i) * Nd + m; });
+            else w.run_part(m, n0 * Nd + m, it % S, S, pv.data(), pa.data());
+            continue;
           }
-      });
-    } else if (layout == kGrouped) {
-      const int64_t K = Nd / Nq;
-      parallel_items(Nd, Nd / (8 * nthreads), [&](auto&& grab) {
-        Worker<scalar_t> w(f);
-        int64_t b, e;
-        while (grab(b, e))
-          for (int64_t m = b; m < e; ++m) {
-            w.pack(m / K, m / K, 1);
-            w.run(m, [&](int64_t) { return m; });
-          }
-      });
-    } else {
-      const int32_t *pq = pair_q->data_ptr<int32_t>(), *pd = pair_d->data_ptr<int32_t>();
-      parallel_items(P, P / (8 * nthreads), [&](auto&& grab) {
-        Worker<scalar_t> w(f);
-        int64_t b, e;
-        while (grab(b, e))
-          for (int64_t p = b; p < e; ++p) {
-            w.pack(pq[p] >= 0 && pq[p] < Nq ? pq[p] : -2, pq[p], 1);  // out of range: invalid
-            w.run(pd[p], [&](int64_t) { return p; });
-          }
-      });
-    }
+          auto [n, m] = ids(k);
+          w.pack(n >= 0 && n < Nq ? n : -2, n, 1);  // -2: out of range, packs as invalid
+          if (S == 1) w.run(m, [&](int64_t) { return k; });
+          else w.run_part(m, k, it % S, S, pv.data(), pa.data());
+        }
+    });
+    if (S > 1) merge_parts(f, P, S, pv.data(), pa.data(), ids);
   });
   return {scores, argmax};
 }

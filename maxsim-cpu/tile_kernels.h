@@ -28,9 +28,12 @@ namespace cpu {
 #if defined(__AVX512F__)
 constexpr int W = 16;    // fp32 lanes per vector
 constexpr int RMAX = 12; // doc tokens per micro-tile: 2x12 accumulators of 32
+#elif defined(__x86_64__) && !defined(__AVX__)
+constexpr int W = 4;     // baseline SSE: 2x6 accumulators fit 16 xmm registers
+constexpr int RMAX = 6;
 #else
 constexpr int W = 8;     // AVX2 / NEON (a 32-byte vector is two NEON registers)
-constexpr int RMAX = 6;  // 2x6 accumulators fit 16 ymm registers
+constexpr int RMAX = 6;  // 2x6 accumulators fit 16 ymm (or 32 NEON) registers
 #endif
 constexpr int QW = 2 * W;  // query rows per packed block
 
@@ -101,11 +104,15 @@ struct RowState {
 
 // qp: packed query block [dim][NV*W]; d: R fp32 doc rows of stride ldd;
 // jmap: token index (within the document) of each of the R rows, ascending.
+// pf, npf: npf 64-byte lines of memory read soon, prefetched here: a document
+// is usually read once, from DRAM, and the hardware prefetcher follows R
+// strided streams poorly. Any address is fine: prefetches never fault.
 // Folds sims into s with torch.max semantics: the first NaN wins and sticks,
 // otherwise strictly greater wins, so ties keep the lowest token index.
 template <int NV, int R>
 void maxsim_tile(const float* __restrict qp, const float* __restrict d, int64_t ldd,
-                 int64_t dim, const int32_t* __restrict jmap, RowState& s) {
+                 int64_t dim, const int32_t* __restrict jmap, uintptr_t pf, int64_t npf,
+                 RowState& s) {
   vf acc[R][NV];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
@@ -115,6 +122,7 @@ void maxsim_tile(const float* __restrict qp, const float* __restrict d, int64_t 
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) dr[r] = d + r * ldd;
   for (int64_t k = 0; k < dim; ++k) {
+    if (k < npf) __builtin_prefetch(reinterpret_cast<const void*>(pf + 64 * k));
     vf qv[NV];
 #pragma GCC unroll 2
     for (int v = 0; v < NV; ++v) qv[v] = *reinterpret_cast<const vf*>(qp + (k * NV + v) * W);
@@ -138,7 +146,7 @@ void maxsim_tile(const float* __restrict qp, const float* __restrict d, int64_t 
 }
 
 using TileFn = void (*)(const float*, const float*, int64_t, int64_t, const int32_t*,
-                        RowState&);
+                        uintptr_t, int64_t, RowState&);
 
 template <int NV, int... Rs>
 constexpr std::array<TileFn, sizeof...(Rs)> tile_table(std::integer_sequence<int, Rs...>) {
