@@ -30,8 +30,8 @@ for s in "$@"; do
     test) step test.log python3 -m pytest tests -q -rfE -p no:cacheprovider --maxfail=20 -W ignore::UserWarning ${PYTEST_ARGS:-} ;;
     bench) step bench.log python3 benchmarks/bench_gpu.py --train --out "$OUT/bench.json" ;;
     cold) step cold.log python3 benchmarks/bench_gpu.py --only none --cold-start --out "$OUT/cold.json" ;;
-    sanitize) step memcheck.log compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest tests/test_forward.py tests/test_train.py -q -p no:cacheprovider -x -k cuda ;;
-    racecheck) step racecheck.log compute-sanitizer --tool racecheck --error-exitcode 9 python3 -m pytest tests/test_train.py -q -p no:cacheprovider -x -k "cuda and (deterministic or contrastive)" ;;
+    sanitize) step memcheck.log timeout ${SAN_TIMEOUT:-300} compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest tests/test_forward.py tests/test_train.py -q -p no:cacheprovider -x -k "cuda and not large" ;;
+    racecheck) step racecheck.log timeout ${SAN_TIMEOUT:-300} compute-sanitizer --tool racecheck --error-exitcode 9 python3 -m pytest tests/test_train.py tests/test_forward.py -q -p no:cacheprovider -x -k "cuda and (deterministic or contrastive or candidates) and not large" ;;
     *) echo "unknown step $s"; rc=1 ;;
   esac
 done
