@@ -34,6 +34,10 @@ example NN:
 bench:
     bash scripts/setup.sh && {{py}} benchmarks/bench_cpu.py
 
+# Render bench_results/*.json into the README tables
+bench-render:
+    {{py}} benchmarks/render.py
+
 # Release build and upload with kernel-builder (needs Nix and Hub access)
 upload:
     nix run .#build-and-upload

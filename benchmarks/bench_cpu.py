@@ -1,9 +1,9 @@
 """CPU benchmark: maxsim vs torch einsum / matmul+amax and the PyPI `maxsim-cpu`.
 
 Prints a table and writes ``bench_results/cpu.json``. Times are medians of
-``--reps`` runs after a warm-up; peak extra memory is measured with
-tracemalloc-free RSS sampling (``resource`` high-water mark) in a fresh
-subprocess per implementation so one does not hide another's peak.
+``--reps`` runs after a warm-up; peak extra memory is the rise of the
+resident-set high-water mark (VmHWM, reset through /proc/self/clear_refs) over
+one call, in a fresh subprocess per implementation (Linux).
 """
 
 from __future__ import annotations
@@ -73,18 +73,25 @@ def impls(ms):
     return out
 
 
+def _rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
 def child(workload, impl, reps):
     """Time one implementation in this (fresh) process and report its peak RSS."""
-    import resource
-
     import torch
 
     ms = load()
     Q, D = make(workload)
     fn = impls(ms)[impl]
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    fn(Q, D)  # warm-up: thread pools, allocator caches
+    base = _rss_kib("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # resets the VmHWM high-water mark
     fn(Q, D)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = _rss_kib("VmHWM")
     times = []
     for _ in range(reps):
         t = time.perf_counter()

@@ -349,8 +349,8 @@ def main():
         rows += run_train(ms, pe, only)
     if args.cold_start:
         rows += cold_start(["naive", "maxsim"] + list(pe))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
+    commit = os.environ.get("MAXSIM_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     meta = dict(gpu=gpu, torch=torch.__version__, date=datetime.date.today().isoformat(), commit=commit,
                 copy_tb_s=bw / 1e12, matmul_tflop_s=flops / 1e12)
     out = Path(args.out or ROOT / "bench_results" / f"{gpu.lower().replace(' ', '-')}.json")

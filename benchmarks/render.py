@@ -1,0 +1,122 @@
+"""Render bench_results/*.json into the README's benchmark tables.
+
+Replaces the text between ``<!-- bench:begin -->`` and ``<!-- bench:end -->``
+in README.md. ``python benchmarks/render.py [--check]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+IMPLS = ["maxsim", "lik", "flash-maxsim", "naive"]
+GOALS = {  # issue goals, ms
+    "rerank-short": 0.030, "rerank-long": 0.095, "rerank-medium": 0.095, "rerank-colpali": 0.45,
+    "corpus-10k": 0.26, "colpali-10k": 4.5, "allpairs-128": 0.10, "Rerank": 0.035, "HeavyRerank": 0.075,
+    "Contrastive": 0.10, "LongDocs": 0.12, "BigBatch": 0.10, "train-128": 0.20, "colpali-train-32": 0.20,
+}
+
+
+def fmt(v, nd=3):
+    return "-" if v is None else f"{v:.{nd}f}"
+
+
+def gpu_tables(path: Path) -> str:
+    data = json.loads(path.read_text())
+    m = data["meta"]
+    rows = data["rows"]
+    by = {(r["workload"], r["impl"]): r for r in rows}
+    out = [f"**{m['gpu']}**, torch {m['torch']}, {m['date']}, commit `{m.get('commit', '')}`; measured "
+           f"copy bandwidth {m['copy_tb_s']:.2f} TB/s, bf16 matmul {m['matmul_tflop_s']:.0f} TFLOP/s. bf16, d = 128.",
+           "", "Forward, ms (median of `triton.testing.do_bench`, L2 flushed before each call, Python "
+           "overhead included) / device time from a CUDA graph of 20 calls:", "",
+           "| workload | goal | floor | " + " | ".join(IMPLS) + " |",
+           "|---|---|---|" + "---|" * len(IMPLS)]
+    fwd = [w for w in dict.fromkeys(r["workload"] for r in rows) if (w, "maxsim") in by and "ms" in by[(w, "maxsim")]]
+    for w in fwd:
+        cells = []
+        for i in IMPLS:
+            r = by.get((w, i))
+            if r is None:
+                cells.append("")
+            elif r.get("ms") is None:
+                cells.append(r.get("error", "fails")[:12])
+            else:
+                cells.append(f"{fmt(r['ms'])} / {fmt(r.get('graph_ms'))}")
+        fl = by[(w, "maxsim")].get("floor_ms")
+        out.append(f"| {w} | {fmt(GOALS.get(w))} | {fmt(fl)} | " + " | ".join(cells) + " |")
+    train = [w for w in dict.fromkeys(r["workload"] for r in rows) if "fwd_bwd_ms" in by.get((w, "maxsim"), {})]
+    if train:
+        out += ["", "Training (forward + `scores.backward(g)`), ms eager / device time from a CUDA graph; "
+                "retained = memory held between forward and backward (MiB):", "",
+                "| workload | goal | " + " | ".join(IMPLS) + " | retained maxsim / best peer |",
+                "|---|---|" + "---|" * len(IMPLS) + "---|"]
+        for w in train:
+            cells = []
+            for i in IMPLS:
+                r = by.get((w, i))
+                if r is None:
+                    cells.append("")
+                elif r.get("fwd_bwd_ms") is None:
+                    cells.append(r.get("error", "fails")[:12])
+                else:
+                    cells.append(f"{fmt(r['fwd_bwd_ms'])} / {fmt(r.get('fwd_bwd_graph_ms'))}")
+            peer_ret = [by[(w, i)].get("retained_mib") for i in ("lik", "flash-maxsim") if (w, i) in by]
+            peer_ret = [v for v in peer_ret if v is not None and v > 0]
+            ret = f"{fmt(by[(w, 'maxsim')].get('retained_mib'), 2)} / {fmt(min(peer_ret) if peer_ret else None, 2)}"
+            out.append(f"| {w} | {fmt(GOALS.get(w))} | " + " | ".join(cells) + f" | {ret} |")
+    return "\n".join(out)
+
+
+def cold_table(path: Path) -> str:
+    data = json.loads(path.read_text())
+    m = data["meta"]
+    out = [f"First call in a fresh process (32 queries x 1000 documents, Lq 32, Ld 300; {m['gpu']}, "
+           f"commit `{m.get('commit', '')}`):", "", "| impl | first call ms | second call ms |", "|---|---|---|"]
+    for r in data["rows"]:
+        out.append(f"| {r['impl']} | {r['first_call_ms']:.0f} | {r['second_call_ms']:.2f} |")
+    return "\n".join(out)
+
+
+def cpu_table(path: Path) -> str:
+    data = json.loads(path.read_text())
+    m = data["meta"]
+    out = [f"CPU ({m['cpu']}, {m['threads']} threads, torch {m['torch']}, {m['date']}), fp32, median ms and peak "
+           "extra RSS (MiB, fresh process per implementation):", "",
+           "| workload | impl | ms | peak MiB |", "|---|---|---|---|"]
+    for r in data["rows"]:
+        out.append(f"| {r['workload']} | {r['impl']} | {r['ms']:.1f} | {r['peak_extra_mib']:.1f} |")
+    return "\n".join(out)
+
+
+def render() -> str:
+    parts = []
+    res = ROOT / "bench_results"
+    for p in sorted(res.glob("*.json")):
+        if p.name == "cpu.json":
+            continue
+        parts.append(cold_table(p) if p.name.endswith("-cold-start.json") else gpu_tables(p))
+    if (res / "cpu.json").exists():
+        parts.append(cpu_table(res / "cpu.json"))
+    return "\n\n".join(parts)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--check", action="store_true", help="fail if README is out of date")
+    args = ap.parse_args()
+    readme = ROOT / "README.md"
+    text = readme.read_text()
+    a, b = text.index(BEGIN) + len(BEGIN), text.index(END)
+    new = text[:a] + "\n" + render() + "\n" + text[b:]
+    if args.check:
+        raise SystemExit(0 if new == text else "README benchmark tables are out of date: run `just bench-render`")
+    readme.write_text(new)
+    print("README tables updated")
+
+
+if __name__ == "__main__":
+    main()
