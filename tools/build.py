@@ -250,15 +250,24 @@ def check_cuda_compile(archs: list[str]) -> None:
     if cutlass:
         inc.append(f"-I{cutlass}")
     cus = [ROOT / s for k in cfg.get("kernel", {}).values() if k["backend"] == "cuda" for s in k["src"] if s.endswith(".cu")]
-    for arch in archs:
-        for cu in cus:
-            cmd = [nvcc, "-std=c++17", "-O3", "-DCUDA_KERNEL", "--expt-relaxed-constexpr", "-Xptxas", "-v",
-                   *gencode([arch]), *inc, f"-I{cu.parent}", "-c", str(cu), "-o", os.devnull]
-            print(" ".join(["nvcc", arch, cu.relative_to(ROOT).as_posix()]), flush=True)
-            r = subprocess.run(cmd, capture_output=True, text=True)
-            if r.returncode:
-                sys.stderr.write(r.stdout + r.stderr)
-                raise SystemExit(f"nvcc failed on {cu} for {arch}")
+
+    def compile_one(job):
+        arch, cu = job
+        cmd = [nvcc, "-std=c++17", "-O3", "-DCUDA_KERNEL", "--expt-relaxed-constexpr", "-Xptxas", "-v",
+               *gencode([arch]), *inc, f"-I{cu.parent}", "-c", str(cu), "-o", os.devnull]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        print(f"nvcc {arch} {cu.relative_to(ROOT).as_posix()}: {'ok' if r.returncode == 0 else 'FAILED'}", flush=True)
+        return cu, arch, r
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        results = list(pool.map(compile_one, [(a, cu) for a in archs for cu in cus]))
+    failed = [(cu, arch, r) for cu, arch, r in results if r.returncode]
+    for cu, arch, r in failed:
+        sys.stderr.write(r.stdout + r.stderr)
+    if failed:
+        raise SystemExit(f"nvcc failed on {len(failed)} compile(s)")
     shutil.rmtree(gen, ignore_errors=True)
 
 
