@@ -40,6 +40,13 @@ struct FwdParams {
   int kch;           // k chunks (MMA path)
   int vecb;          // cp.async width in bytes (MMA path): 16, 8 or 4
   int row_mode;      // 0 direct, 1 tile partial sums, 2 per-row partials (see finish_tile)
+  // Several docs per CTA (MMA path, S == 1, CROSS / GROUPED only; 1 = one
+  // item per CTA as decode_work). Docs come in groups of gsz consecutive docs
+  // sharing the query tile (all docs for CROSS, the K docs of a query for
+  // GROUPED); a CTA takes up to dpc consecutive docs of one group, so its
+  // query tile is the same for all of them. cpg = ceil(gsz / dpc).
+  int dpc;
+  int64_t gsz, cpg;
   // Outputs.
   float* scores;
   void* argmax;

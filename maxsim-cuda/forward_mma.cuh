@@ -21,6 +21,7 @@ namespace maxsim {
 namespace cuda_fwd {
 
 constexpr int kMmaKChunkBytes = 256;
+constexpr int kMmaMaxDpc = 32;  // docs per CTA, at most (one warp scans them)
 
 template <int BM_, int BN_, int WM_, int WN_, int STAGES_, int MINB_>
 struct MmaShape {
@@ -84,7 +85,7 @@ inline size_t mma_smem_bytes(int cfg, int kch) {
 // Upper bound of the kernel's static shared memory.
 inline size_t mma_static_smem(int cfg) {
   MmaCfgInfo c = mma_cfg_info(cfg);
-  return (size_t)c.bm * 9 + (size_t)2 * c.wn * c.bm * 4 + (size_t)c.stages * c.bn + 256;
+  return (size_t)c.bm * 9 + (size_t)2 * c.wn * c.bm * 4 + (size_t)c.stages * c.bn + (size_t)kMmaMaxDpc * 21 + 256;
 }
 // Byte offset of 16-byte chunk c of row r in a [rows x 256 B] tile.
 __device__ __forceinline__ uint32_t swz(int r, int c) {
@@ -158,11 +159,63 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
   __shared__ float red_b[WN][BM];
   __shared__ int red_i[ARG ? WN : 1][BM];
   __shared__ unsigned char mask_s[STAGES][BN];  // doc-mask ring (tile j -> slot j % STAGES)
+  // The CTA's docs (chunks): first token row, token range, validity and the
+  // running count of BN tiles up to and including each doc.
+  __shared__ long long doc_tb[kMmaMaxDpc];
+  __shared__ int doc_c0[kMmaMaxDpc], doc_c1[kMmaMaxDpc], doc_tend[kMmaMaxDpc];
+  __shared__ unsigned char doc_valid[kMmaMaxDpc];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp / WN, wn = warp % WN;
 
-  const Work w = decode_work<BN>(p, item0 + blockIdx.x);
+  // Work: one item (decode_work) or up to dpc consecutive docs of one group
+  // with the same M tile (and so the same query tile).
+  Work w;
+  int nd = 1;
+  if (p.dpc <= 1) {
+    w = decode_work<BN>(p, item0 + blockIdx.x);
+    if (tid == 0) {
+      doc_tb[0] = (long long)w.ds + w.c0;
+      doc_c0[0] = w.c0;
+      doc_c1[0] = w.c1;
+      doc_valid[0] = w.dvalid;
+      doc_tend[0] = (w.c1 - w.c0 + BN - 1) / BN;
+    }
+  } else {
+    const int64_t item = item0 + blockIdx.x;
+    w.mt = (int)(item % p.mt_total);
+    const int64_t rest = item / p.mt_total;
+    const int64_t g = rest / p.cpg, c = rest - g * p.cpg;
+    const int64_t u0 = g * p.gsz + c * p.dpc;
+    int64_t u1 = g * p.gsz + p.gsz;
+    if (u0 + p.dpc < u1) u1 = u0 + p.dpc;
+    if (p.Nd < u1) u1 = p.Nd;
+    if (u1 <= u0) return;  // past the last doc of a partial last group (whole CTA)
+    nd = (int)(u1 - u0);
+    w.s = 0;
+    w.u = w.dn = u0;
+    w.dvalid = false;
+    w.ds = w.dl = 0;
+    w.c0 = w.c1 = 0;
+    if (warp == 0) {
+      int ds = 0, dl = 0;
+      bool ok = false;
+      if (lane < nd) ok = doc_ok(p, u0 + lane, ds, dl);
+      int nt = lane < nd ? (dl + BN - 1) / BN : 0;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        int v = __shfl_up_sync(0xffffffffu, nt, o);
+        if (lane >= o) nt += v;
+      }
+      if (lane < nd) {
+        doc_tb[lane] = ds;
+        doc_c0[lane] = 0;
+        doc_c1[lane] = dl;
+        doc_valid[lane] = ok;
+        doc_tend[lane] = nt;
+      }
+    }
+  }
   build_row_table<BM, NTH>(p, w, row_src, row_ok);
   __syncthreads();
 
@@ -170,20 +223,77 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
   const uint32_t d_s = q_s + (uint32_t)(BM * p.kch * kMmaKChunkBytes);
   constexpr uint32_t STAGE_BYTES = BN * kMmaKChunkBytes;
 
-  const int ntiles = (w.c1 - w.c0 + BN - 1) / BN;
-  const int total = ntiles * p.kch;
-  const int64_t tok_base = (int64_t)w.ds + w.c0;
+  const int total = doc_tend[nd - 1] * p.kch;
   const bool has_mask = p.d_mask != nullptr;
 
   float best[MT][2];
   int bidx[MT][2];
+  auto reset_best = [&]() {
 #pragma unroll
-  for (int i = 0; i < MT; ++i)
+    for (int i = 0; i < MT; ++i)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      best[i][h] = neg_inf();
-      bidx[i][h] = -1;
+      for (int h = 0; h < 2; ++h) {
+        best[i][h] = neg_inf();
+        bidx[i][h] = -1;
+      }
+  };
+  reset_best();
+
+  // Epilogue of doc t (its running maxima are in best / bidx): reduce across
+  // the 4 lanes of a quad (same rows, different columns), then across the WN
+  // warps of a row block in column order, then finish_tile.
+  auto finish_doc = [&](int t) {
+    __syncthreads();  // red_b may still be read by the previous doc's finish_tile
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int o = 1; o <= 2; o <<= 1) {
+          float ob = __shfl_xor_sync(0xffffffffu, best[i][h], o);
+          if (ARG) {
+            int oi = __shfl_xor_sync(0xffffffffu, bidx[i][h], o);
+            merge_arg(best[i][h], bidx[i][h], ob, oi);
+          } else {
+            best[i][h] = max_nan(best[i][h], ob);
+          }
+        }
+        if ((lane & 3) == 0) {
+          int row = wm * WTM + i * 16 + h * 8 + (lane >> 2);
+          red_b[wn][row] = best[i][h];
+          if (ARG) red_i[wn][row] = bidx[i][h];
+        }
+      }
+    __syncthreads();
+    if (WN > 1) {
+      for (int r = tid; r < BM; r += NTH) {
+        float b = red_b[0][r];
+        int ix = ARG ? red_i[0][r] : 0;
+#pragma unroll
+        for (int x = 1; x < WN; ++x) {
+          if (ARG)
+            merge_arg(b, ix, red_b[x][r], red_i[x][r]);
+          else
+            b = max_nan(b, red_b[x][r]);
+        }
+        red_b[0][r] = b;
+        if (ARG) red_i[0][r] = ix;
+      }
+      __syncthreads();
     }
+    Work wd = w;
+    if (p.dpc > 1) {
+      wd.u = wd.dn = w.u + t;
+      wd.dvalid = doc_valid[t];
+    }
+    finish_tile<BM, NTH, ARG>(p, wd, red_b[0], red_i[0], row_ok);
+    reset_best();
+  };
+
+  // Docs are finished in order; cdoc = next doc to finish. Docs with no
+  // tiles (empty, invalid) finish as soon as the tiles before them are done.
+  int cdoc = 0;
+  while (cdoc < nd && doc_tend[cdoc] == 0) finish_doc(cdoc++);
 
   if (total > 0) {
     // Doc-mask prefetch: the byte for tile row `tid` is loaded into a register
@@ -191,13 +301,17 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
     // iteration later (its consumer is >= 1 barrier after that).
     unsigned char pend_mask = 0;
     int pend_slot = -1;
+    int idoc = 0, ibase = 0;  // doc of the next issued tile, its first global tile
 
-    // Issue the stage load for flattened iteration `it` (tile it / kch, k chunk it % kch).
+    // Issue the stage load for flattened iteration `it` (global tile it / kch,
+    // k chunk it % kch); called with increasing it.
     auto issue = [&](int it, bool defer_mask) {
-      int j = it / p.kch, kc = it - j * p.kch;
+      int jg = it / p.kch, kc = it - jg * p.kch;
+      while (jg >= doc_tend[idoc]) ibase = doc_tend[idoc++];
+      const int j = jg - ibase;
       uint32_t dst = d_s + (uint32_t)((it % STAGES) * STAGE_BYTES);
-      int64_t tok0 = tok_base + (int64_t)j * BN;
-      int nvalid = min(BN, w.c1 - w.c0 - j * BN);
+      int64_t tok0 = doc_tb[idoc] + (int64_t)j * BN;
+      int nvalid = min(BN, doc_c1[idoc] - doc_c0[idoc] - j * BN);
       int kb0 = kc * kMmaKChunkBytes;
       if (p.vecb == 16)
         load_doc_tile<16, BN, NTH>(p, dst, tok0, nvalid, kb0);
@@ -209,9 +323,9 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
         unsigned char m = (tid < nvalid && p.d_mask[tok0 + tid]) ? 1 : 0;
         if (defer_mask) {
           pend_mask = m;
-          pend_slot = j % STAGES;
+          pend_slot = jg % STAGES;
         } else {
-          mask_s[j % STAGES][tid] = m;
+          mask_s[jg % STAGES][tid] = m;
         }
       }
     };
@@ -243,7 +357,7 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
     const uint32_t b_row = (uint32_t)((wn * WTN + (lane & 7) + ((lane >> 4) << 3)) * kMmaKChunkBytes);
     const int b_hi = (lane >> 3) & 1;
 
-    int j = 0, kc = 0, slot = 0;
+    int jg = 0, cbase = 0, kc = 0, slot = 0;  // global tile, first global tile of cdoc
     for (int it = 0; it < total; ++it) {
       cp_async_wait<STAGES - 2>();
       __syncthreads();
@@ -279,10 +393,12 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
       }
 
       if (++kc == p.kch) {
-        // Fold tile j into the running row maxima (columns in increasing order).
-        const int n0 = w.c0 + j * BN;  // first token (within the doc) of tile j
+        // Fold tile j of doc cdoc into the running row maxima (columns in
+        // increasing order).
+        const int c0 = doc_c0[cdoc], c1 = doc_c1[cdoc];
+        const int n0 = c0 + (jg - cbase) * BN;  // first token (within the doc) of the tile
         const int colbase = n0 + wn * WTN + 2 * (lane & 3);
-        if (!has_mask && n0 + BN <= w.c1) {
+        if (!has_mask && n0 + BN <= c1) {
 #pragma unroll
           for (int i = 0; i < MT; ++i)
 #pragma unroll
@@ -297,13 +413,13 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
                     best[i][h] = max_nan(best[i][h], acc[i][jn][h * 2 + e]);
                 }
         } else {
-          const unsigned char* ms = &mask_s[j % STAGES][wn * WTN + 2 * (lane & 3)];
+          const unsigned char* ms = &mask_s[jg % STAGES][wn * WTN + 2 * (lane & 3)];
 #pragma unroll
           for (int jn = 0; jn < NT; ++jn)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
               const int col = colbase + jn * 8 + e;
-              const bool valid = has_mask ? ms[jn * 8 + e] != 0 : col < w.c1;
+              const bool valid = has_mask ? ms[jn * 8 + e] != 0 : col < c1;
 #pragma unroll
               for (int i = 0; i < MT; ++i)
 #pragma unroll
@@ -323,53 +439,18 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[i][jn][e] = 0.f;
         kc = 0;
-        ++j;
+        ++jg;
+        // Finish every doc whose tiles are all done (the loads of the next
+        // doc's tiles are already in flight).
+        while (cdoc < nd && doc_tend[cdoc] == jg) {
+          cbase = jg;
+          finish_doc(cdoc++);
+        }
       }
       if (++slot == STAGES) slot = 0;
     }
     cp_async_wait_all();
   }
-
-  // Reduce across the 4 lanes of a quad (same rows, different columns) ...
-#pragma unroll
-  for (int i = 0; i < MT; ++i)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-#pragma unroll
-      for (int o = 1; o <= 2; o <<= 1) {
-        float ob = __shfl_xor_sync(0xffffffffu, best[i][h], o);
-        if (ARG) {
-          int oi = __shfl_xor_sync(0xffffffffu, bidx[i][h], o);
-          merge_arg(best[i][h], bidx[i][h], ob, oi);
-        } else {
-          best[i][h] = max_nan(best[i][h], ob);
-        }
-      }
-      if ((lane & 3) == 0) {
-        int row = wm * WTM + i * 16 + h * 8 + (lane >> 2);
-        red_b[wn][row] = best[i][h];
-        if (ARG) red_i[wn][row] = bidx[i][h];
-      }
-    }
-  __syncthreads();
-  // ... then across the WN warps of a row block, in column order.
-  if (WN > 1) {
-    for (int r = tid; r < BM; r += NTH) {
-      float b = red_b[0][r];
-      int ix = ARG ? red_i[0][r] : 0;
-#pragma unroll
-      for (int x = 1; x < WN; ++x) {
-        if (ARG)
-          merge_arg(b, ix, red_b[x][r], red_i[x][r]);
-        else
-          b = max_nan(b, red_b[x][r]);
-      }
-      red_b[0][r] = b;
-      if (ARG) red_i[0][r] = ix;
-    }
-    __syncthreads();
-  }
-  finish_tile<BM, NTH, ARG>(p, w, red_b[0], red_i[0], row_ok);
 }
 
 }  // namespace cuda_fwd
