@@ -17,7 +17,9 @@ if ! "$VPY" -c "import torch" 2>/dev/null; then
   # A CPU build keeps the download small; a GPU machine normally has torch already.
   pipi "torch==2.13.0" || pipi torch
 fi
-"$VPY" -c "import kernels, pytest, hypothesis, numpy" 2>/dev/null || pipi "kernels==0.17.2" pytest hypothesis numpy ninja
+# matplotlib: the examples and benchmarks/render.py draw PNG charts (Agg backend).
+"$VPY" -c "import kernels, pytest, hypothesis, numpy, matplotlib" 2>/dev/null \
+  || pipi "kernels==0.17.2" pytest hypothesis numpy ninja matplotlib
 # Integration tests run against the real PyLate and colpali-engine. Both go in
 # with --no-deps: PyLate pins fast-plaid (wheels built for torch <= 2.11; only
 # its PLAID index needs it) and colpali-engine pulls torchvision (a CUDA build
