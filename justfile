@@ -34,7 +34,7 @@ example NN:
 bench:
     bash scripts/setup.sh && {{py}} benchmarks/bench_cpu.py
 
-# Render bench_results/*.json into the README tables
+# Render bench_results/*.json into the README tables and bench_results/*.png charts
 bench-render:
     {{py}} benchmarks/render.py
 

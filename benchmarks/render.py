@@ -1,7 +1,9 @@
-"""Render bench_results/*.json into the README's benchmark tables.
+"""Render bench_results/*.json into the README's benchmark tables and charts.
 
 Replaces the text between ``<!-- bench:begin -->`` and ``<!-- bench:end -->``
-in README.md. ``python benchmarks/render.py [--check]``.
+in README.md and draws bench_results/<name>-speed.png / -memory.png next to
+each GPU result file (matplotlib, Agg). ``python benchmarks/render.py
+[--check]``; ``--check`` compares the README only and draws nothing.
 """
 
 from __future__ import annotations
@@ -71,6 +73,57 @@ def gpu_tables(path: Path) -> str:
     return "\n".join(out)
 
 
+def _forward(path: Path):
+    """-> (meta, forward workloads, {(workload, impl): row}) of a GPU result file."""
+    data = json.loads(path.read_text())
+    by = {(r["workload"], r["impl"]): r for r in data["rows"]}
+    ws = [w for w in dict.fromkeys(r["workload"] for r in data["rows"]) if by.get((w, "maxsim"), {}).get("ms")]
+    return data["meta"], ws, by
+
+
+def gpu_charts(path: Path) -> list[Path]:
+    """Speed relative to maxsim and peak memory, per forward workload, one bar per impl."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless
+    import matplotlib.pyplot as plt
+
+    meta, ws, by = _forward(path)
+    width = 0.8 / len(IMPLS)
+    out = []
+    for kind, key, ylabel in (("speed", "ms", "time / maxsim time (lower is faster)"),
+                              ("memory", "peak_mib", "peak extra memory, MiB (log)")):
+        fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(ws)), 3.8))
+        for k, impl in enumerate(IMPLS):
+            xs, ys = [], []
+            for i, w in enumerate(ws):
+                v = by.get((w, impl), {}).get(key)
+                if v is not None:
+                    xs.append(i + (k - (len(IMPLS) - 1) / 2) * width)
+                    # Speed: a ratio, so workloads of very different sizes share one axis.
+                    ys.append(v / by[(w, "maxsim")]["ms"] if kind == "speed" else max(v, 1e-3))
+            ax.bar(xs, ys, width, label=impl)
+        if kind == "speed":
+            ax.axhline(1.0, color="black", lw=0.8)
+        else:
+            ax.set_yscale("log")
+        ax.set_xticks(range(len(ws)), ws, rotation=30, ha="right")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"forward, {meta['gpu']}, bf16, commit {meta.get('commit', '')}", fontsize=9)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=8, ncol=len(IMPLS))
+        fig.tight_layout()
+        p = path.with_name(f"{path.stem}-{kind}.png")
+        fig.savefig(p, dpi=110, metadata={"Software": None})  # no version stamp: reruns give the same file
+        plt.close(fig)
+        out.append(p)
+    return out
+
+
+def chart_links(path: Path) -> str:
+    return "\n".join(f"![{path.stem} {kind}](bench_results/{path.stem}-{kind}.png)" for kind in ("speed", "memory"))
+
+
 def cold_table(path: Path) -> str:
     data = json.loads(path.read_text())
     m = data["meta"]
@@ -98,7 +151,10 @@ def render() -> str:
     for p in sorted(res.glob("*.json")):
         if p.name == "cpu.json":
             continue
-        parts.append(cold_table(p) if p.name.endswith("-cold-start.json") else gpu_tables(p))
+        if p.name.endswith("-cold-start.json"):
+            parts.append(cold_table(p))
+        else:
+            parts += [gpu_tables(p), chart_links(p)]
     if (res / "cpu.json").exists():
         parts.append(cpu_table(res / "cpu.json"))
     return "\n\n".join(parts)
@@ -115,6 +171,9 @@ def main():
     if args.check:
         raise SystemExit(0 if new == text else "README benchmark tables are out of date: run `just bench-render`")
     readme.write_text(new)
+    for p in sorted((ROOT / "bench_results").glob("*.json")):
+        if p.name != "cpu.json" and not p.name.endswith("-cold-start.json"):
+            print("wrote", *(q.relative_to(ROOT) for q in gpu_charts(p)))
     print("README tables updated")
 
 
