@@ -38,6 +38,14 @@ bench:
 bench-render:
     {{py}} benchmarks/render.py
 
+# GPU benchmark matrix on Hugging Face Jobs (needs an account with Jobs access and
+# the `hf` CLI); MAXSIM_SRC is the git URL of this repository. Not run here.
+cuda-bench-matrix FLAVOR="h100":
+    hf jobs run --flavor {{FLAVOR}} --timeout 1h pytorch/pytorch:2.9.1-cuda12.8-cudnn9-devel \
+      bash -c "git clone ${MAXSIM_SRC:?set MAXSIM_SRC} maxsim && cd maxsim && \
+               pip install -q kernels pytest hypothesis late-interaction-kernels==0.4.5 flash-maxsim==0.3.0 && \
+               OUT=/tmp/out bash scripts/gpu_session.sh build test bench cold && cat /tmp/out/bench.json"
+
 # Release build and upload with kernel-builder (needs Nix and Hub access)
 upload:
     nix run .#build-and-upload
