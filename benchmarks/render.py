@@ -26,6 +26,20 @@ def fmt(v, nd=3):
     return "-" if v is None else f"{v:.{nd}f}"
 
 
+def _cells(by: dict, workload: str, key: str, graph_key: str) -> list[str]:
+    """One table cell per implementation: "eager / graph" ms, or why not."""
+    cells = []
+    for i in IMPLS:
+        r = by.get((workload, i))
+        if r is None:
+            cells.append("")
+        elif r.get(key) is None:
+            cells.append(r.get("error", "fails")[:12])
+        else:
+            cells.append(f"{fmt(r[key])} / {fmt(r.get(graph_key))}")
+    return cells
+
+
 def gpu_tables(path: Path) -> str:
     data = json.loads(path.read_text())
     m = data["meta"]
@@ -39,15 +53,7 @@ def gpu_tables(path: Path) -> str:
            "|---|---|---|" + "---|" * len(IMPLS)]
     fwd = [w for w in dict.fromkeys(r["workload"] for r in rows) if (w, "maxsim") in by and "ms" in by[(w, "maxsim")]]
     for w in fwd:
-        cells = []
-        for i in IMPLS:
-            r = by.get((w, i))
-            if r is None:
-                cells.append("")
-            elif r.get("ms") is None:
-                cells.append(r.get("error", "fails")[:12])
-            else:
-                cells.append(f"{fmt(r['ms'])} / {fmt(r.get('graph_ms'))}")
+        cells = _cells(by, w, "ms", "graph_ms")
         fl = by[(w, "maxsim")].get("floor_ms")
         out.append(f"| {w} | {fmt(GOALS.get(w))} | {fmt(fl)} | " + " | ".join(cells) + " |")
     train = [w for w in dict.fromkeys(r["workload"] for r in rows) if "fwd_bwd_ms" in by.get((w, "maxsim"), {})]
@@ -57,15 +63,7 @@ def gpu_tables(path: Path) -> str:
                 "| workload | goal | " + " | ".join(IMPLS) + " | retained maxsim / best peer |",
                 "|---|---|" + "---|" * len(IMPLS) + "---|"]
         for w in train:
-            cells = []
-            for i in IMPLS:
-                r = by.get((w, i))
-                if r is None:
-                    cells.append("")
-                elif r.get("fwd_bwd_ms") is None:
-                    cells.append(r.get("error", "fails")[:12])
-                else:
-                    cells.append(f"{fmt(r['fwd_bwd_ms'])} / {fmt(r.get('fwd_bwd_graph_ms'))}")
+            cells = _cells(by, w, "fwd_bwd_ms", "fwd_bwd_graph_ms")
             peer_ret = [by[(w, i)].get("retained_mib") for i in ("lik", "flash-maxsim") if (w, i) in by]
             peer_ret = [v for v in peer_ret if v is not None and v > 0]
             ret = f"{fmt(by[(w, 'maxsim')].get('retained_mib'), 2)} / {fmt(min(peer_ret) if peer_ret else None, 2)}"
