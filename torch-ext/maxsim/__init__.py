@@ -5,7 +5,7 @@ materialising the similarity grid, for inference and training. Load with
 ``kernels.get_kernel("<org>/maxsim")``.
 """
 
-from . import integrations, layers, reference
+from . import distributed, integrations, layers, reference
 from ._registry import FALLBACKS, ops
 from .reference import maxsim_reference
 from .scoring import (
@@ -23,6 +23,7 @@ from .scoring import (
 
 __all__ = [
     "FALLBACKS",
+    "distributed",
     "integrations",
     "layers",
     "maxsim",
