@@ -56,6 +56,12 @@ def _check_int(name: str, t, dim: int) -> None:
         raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
 
 
+def _check_lengths(name: str, t, shape: tuple) -> None:
+    _check_int(name, t, len(shape))
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {list(shape)}, got {tuple(t.shape)}")
+
+
 def _check_mask(name: str, t, shape) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -183,6 +189,12 @@ def _run(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d,
               pair_q, pair_d, layout, lq, argmax_kind, tf32)
 
 
+def _empty_result(shape: tuple, lq: int, device, mode: str):
+    """Result of a call with no pairs: zero scores (and -1 argmax)."""
+    s = torch.zeros(shape, device=device, dtype=torch.float32)
+    return s if mode != "argmax" else (s, torch.full(shape + (lq,), -1, device=device, dtype=torch.int32))
+
+
 def _i32(argmax: Tensor) -> Tensor:
     return argmax if argmax.dtype == torch.int32 else argmax.to(torch.int32)
 
@@ -202,13 +214,9 @@ def _candidates(queries, documents, query_lengths, doc_lengths, *, mode, validat
         raise ValueError(f"batch mismatch: queries has B={B}, documents has B={Bd}")
     _check_dim("queries", queries, "documents", documents)
     if query_lengths is not None:
-        _check_int("query_lengths", query_lengths, 1)
-        if query_lengths.shape[0] != B:
-            raise ValueError(f"query_lengths must have shape [{B}], got {tuple(query_lengths.shape)}")
+        _check_lengths("query_lengths", query_lengths, (B,))
     if doc_lengths is not None:
-        _check_int("doc_lengths", doc_lengths, 2)
-        if tuple(doc_lengths.shape) != (B, K):
-            raise ValueError(f"doc_lengths must have shape [{B}, {K}], got {tuple(doc_lengths.shape)}")
+        _check_lengths("doc_lengths", doc_lengths, (B, K))
     _check_same(dict(queries=queries, documents=documents, query_lengths=query_lengths,
                      doc_lengths=doc_lengths))
     if validate:
@@ -218,8 +226,7 @@ def _candidates(queries, documents, query_lengths, doc_lengths, *, mode, validat
             _validate_lengths("doc_lengths", doc_lengths, Ld)
     dev = queries.device
     if B * K == 0:
-        s = torch.zeros((B, K), device=dev, dtype=torch.float32)
-        return s if mode != "argmax" else (s, torch.full((B, K, Lq), -1, device=dev, dtype=torch.int32))
+        return _empty_result((B, K), Lq, dev, mode)
     q_start, q_len = _padded_segments(B, Lq, query_lengths, dev)
     d_start, d_len = _padded_segments(B * K, Ld, doc_lengths, dev)
     kind = _argmax_kind(mode == "train", mode == "argmax", Ld)
@@ -279,9 +286,7 @@ def _contrastive(queries, documents, document_offsets, query_lengths, *, mode, v
     T = documents.shape[0]
     Nb = document_offsets.shape[0] - 1
     if query_lengths is not None:
-        _check_int("query_lengths", query_lengths, 1)
-        if query_lengths.shape[0] != Nq:
-            raise ValueError(f"query_lengths must have shape [{Nq}], got {tuple(query_lengths.shape)}")
+        _check_lengths("query_lengths", query_lengths, (Nq,))
     _check_same(dict(queries=queries, documents=documents, document_offsets=document_offsets,
                      query_lengths=query_lengths))
     if validate:
@@ -290,8 +295,7 @@ def _contrastive(queries, documents, document_offsets, query_lengths, *, mode, v
             _validate_lengths("query_lengths", query_lengths, Lq)
     dev = queries.device
     if Nq * Nb == 0:
-        s = torch.zeros((Nq, Nb), device=dev, dtype=torch.float32)
-        return s if mode != "argmax" else (s, torch.full((Nq, Nb, Lq), -1, device=dev, dtype=torch.int32))
+        return _empty_result((Nq, Nb), Lq, dev, mode)
     q_start, q_len = _padded_segments(Nq, Lq, query_lengths, dev)
     d_start, d_len = _offset_segments(document_offsets, T)
     kind = _argmax_kind(mode == "train", mode == "argmax", T)
@@ -369,8 +373,7 @@ def _pairs(queries, query_offsets, documents, document_offsets, pair_query_ids, 
     P = pair_query_ids.shape[0]
     dev = queries.device
     if P == 0:
-        s = torch.zeros((0,), device=dev, dtype=torch.float32)
-        return s if mode != "argmax" else (s, torch.full((0, lq), -1, device=dev, dtype=torch.int32))
+        return _empty_result((0,), lq, dev, mode)
     kind = _argmax_kind(mode == "train", mode == "argmax", Td)
     scores, argmax = _run(queries.contiguous(), q_start, q_len, None, documents.contiguous(), d_start,
                           d_len, None, pair_query_ids.to(torch.int32).contiguous(),
