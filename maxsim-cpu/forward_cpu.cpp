@@ -356,3 +356,28 @@ std::tuple<at::Tensor, at::Tensor> forward_cpu(
 }
 
 }  // namespace maxsim
+
+namespace maxsim {
+
+// Quantized tokens on the CPU: dequantised to fp32 (the caller bounds the
+// size: search scores a corpus chunk by chunk), then the exact fp32 path.
+std::tuple<at::Tensor, at::Tensor> forward_quant_cpu(
+    const at::Tensor& q, const at::Tensor& q_scale, const at::Tensor& q_start, const at::Tensor& q_len,
+    const std::optional<at::Tensor>& q_mask, const at::Tensor& d, const at::Tensor& d_scale,
+    const at::Tensor& d_start, const at::Tensor& d_len, const std::optional<at::Tensor>& d_mask,
+    const std::optional<at::Tensor>& pair_q, const std::optional<at::Tensor>& pair_d, int64_t layout, int64_t lq,
+    int64_t argmax_kind) {
+  TORCH_CHECK(q.scalar_type() == d.scalar_type() &&
+                  (q.scalar_type() == at::kChar || q.scalar_type() == at::kFloat8_e4m3fn),
+              "maxsim forward_quant_cpu: q and d must share dtype int8 or float8_e4m3fn");
+  TORCH_CHECK(q.dim() == 2 && d.dim() == 2 && q_scale.dim() == 1 && d_scale.dim() == 1 &&
+                  q_scale.numel() == q.size(0) && d_scale.numel() == d.size(0) &&
+                  q_scale.scalar_type() == at::kFloat && d_scale.scalar_type() == at::kFloat,
+              "maxsim forward_quant_cpu: q_scale [Tq] and d_scale [Td] must be float32");
+  const at::Tensor qf = (q.to(at::kFloat) * q_scale.unsqueeze(1)).contiguous();
+  const at::Tensor df = (d.to(at::kFloat) * d_scale.unsqueeze(1)).contiguous();
+  return forward_cpu(qf, q_start, q_len, q_mask, df, d_start, d_len, d_mask, pair_q, pair_d, layout, lq,
+                     argmax_kind, false);
+}
+
+}  // namespace maxsim

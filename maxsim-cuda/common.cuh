@@ -7,9 +7,11 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace maxsim {
 namespace cuda_fwd {
@@ -27,6 +29,10 @@ struct FwdParams {
   const bool* d_mask;  // nullable
   const int* pair_q;   // LIST only
   const int* pair_d;
+  // Quantized inputs (int8 / fp8 e4m3 tokens, forward_quant only): the value
+  // of token row r is scale[r] * stored row. Null for float inputs.
+  const float* q_scale;  // [Tq]
+  const float* d_scale;  // [Td]
   int64_t Tq, Td;
   int64_t row_bytes;  // dim * element size
   int64_t Nq, Nd, P, K;  // K: docs per query (GROUPED), >= 1
@@ -359,6 +365,44 @@ struct Mma<float> {  // TF32 (operands passed as raw fp32 bits)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
   }
 };
+
+// 8-bit k-step (m16n8k32): its A / B fragments hold the same bytes as the
+// 16-bit m16n8k16 ones (4 consecutive bytes of a row per register), so the
+// byte-addressed tiles and ldmatrix offsets of the kernel serve unchanged.
+// int8 accumulates exactly in int32, carried in the float registers' bits.
+template <>
+struct Mma<int8_t> {
+  static __device__ __forceinline__ void run(float* c, const uint32_t* a, const uint32_t* b) {
+    uint32_t c0 = __float_as_uint(c[0]), c1 = __float_as_uint(c[1]), c2 = __float_as_uint(c[2]),
+             c3 = __float_as_uint(c[3]);
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+r"(c0), "+r"(c1), "+r"(c2), "+r"(c3)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    c[0] = __uint_as_float(c0);
+    c[1] = __uint_as_float(c1);
+    c[2] = __uint_as_float(c2);
+    c[3] = __uint_as_float(c3);
+  }
+  static __device__ __forceinline__ float value(float acc) { return (float)__float_as_int(acc); }
+};
+template <>
+struct Mma<__nv_fp8_e4m3> {  // sm_89+; the host never launches it on older GPUs
+  static __device__ __forceinline__ void run(float* c, const uint32_t* a, const uint32_t* b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+    __trap();
+#endif
+  }
+  static __device__ __forceinline__ float value(float acc) { return acc; }
+};
+
+template <typename T>
+constexpr bool kIsQuant = std::is_same<T, int8_t>::value || std::is_same<T, __nv_fp8_e4m3>::value;
 
 }  // namespace cuda_fwd
 }  // namespace maxsim

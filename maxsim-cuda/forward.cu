@@ -4,6 +4,8 @@
 //   * fp16 / bf16 (and fp32 with tf32=True): tensor-core kernel
 //     (forward_mma.cuh), one of a few tile configurations chosen from lq, the
 //     layout and the number of queries (see choose_mma_cfg);
+//   * int8 / fp8 e4m3 tokens with per-token scales (forward_quant): the same
+//     tensor-core kernel on m16n8k32 (fp8 needs sm_89+);
 //   * fp32 (exact, default) and whatever the tensor-core kernel cannot take
 //     (odd dim in 16-bit types, rows not 4-byte aligned, a query tile too wide
 //     for shared memory): the FFMA kernel (forward_simt.cuh).
@@ -102,6 +104,10 @@ void run_mma_any(at::ScalarType t, int cfg, bool arg, const FwdParams& p, int64_
                  cudaStream_t st) {
   if (t == at::kHalf)
     run_mma<__half>(cfg, arg, p, item0, n, smem, st);
+  else if (t == at::kChar)
+    run_mma<int8_t>(cfg, arg, p, item0, n, smem, st);
+  else if (t == at::kFloat8_e4m3fn)
+    run_mma<__nv_fp8_e4m3>(cfg, arg, p, item0, n, smem, st);
   else if (t == at::kBFloat16)
     run_mma<__nv_bfloat16>(cfg, arg, p, item0, n, smem, st);
   else
@@ -125,6 +131,8 @@ void run_wgmma_any(at::ScalarType t, bool arg, const FwdParams& p, int64_t dim, 
 int occupancy_mma_any(at::ScalarType t, int cfg, bool arg, size_t smem) {
   if (t == at::kHalf) return occupancy_mma<__half>(cfg, arg, smem);
   if (t == at::kBFloat16) return occupancy_mma<__nv_bfloat16>(cfg, arg, smem);
+  if (t == at::kChar) return occupancy_mma<int8_t>(cfg, arg, smem);
+  if (t == at::kFloat8_e4m3fn) return occupancy_mma<__nv_fp8_e4m3>(cfg, arg, smem);
   return occupancy_mma<float>(cfg, arg, smem);
 }
 
@@ -180,23 +188,38 @@ void check_index(const at::Tensor& t, const char* name) {
 }
 
 }  // namespace
-}  // namespace cuda_fwd
 
-std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q_in, const at::Tensor& q_start,
-                                                const at::Tensor& q_len, const std::optional<at::Tensor>& q_mask,
-                                                const at::Tensor& d_in, const at::Tensor& d_start,
+std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at::Tensor* q_scale,
+                                                const at::Tensor& q_start, const at::Tensor& q_len,
+                                                const std::optional<at::Tensor>& q_mask, const at::Tensor& d_in,
+                                                const at::Tensor* d_scale, const at::Tensor& d_start,
                                                 const at::Tensor& d_len, const std::optional<at::Tensor>& d_mask,
                                                 const std::optional<at::Tensor>& pair_q,
                                                 const std::optional<at::Tensor>& pair_d, int64_t layout, int64_t lq,
                                                 int64_t argmax_kind, bool tf32) {
-  using namespace cuda_fwd;
   TORCH_CHECK(q_in.is_cuda() && d_in.is_cuda(), "maxsim: q and d must be CUDA tensors");
   TORCH_CHECK(q_in.dim() == 2 && d_in.dim() == 2 && q_in.size(1) == d_in.size(1),
               "maxsim: q [Tq, dim] and d [Td, dim] must share dim");
   const auto dtype = q_in.scalar_type();
   TORCH_CHECK(dtype == d_in.scalar_type(), "maxsim: q and d must have the same dtype");
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
-              "maxsim: dtype must be float32, float16 or bfloat16");
+  const bool quant = q_scale != nullptr;
+  if (quant) {
+    TORCH_CHECK(dtype == at::kChar || dtype == at::kFloat8_e4m3fn,
+                "maxsim: quantized tokens must be int8 or float8_e4m3fn");
+    for (const at::Tensor* s : {q_scale, d_scale})
+      TORCH_CHECK(s->is_cuda() && s->scalar_type() == at::kFloat && s->dim() == 1 && s->is_contiguous(),
+                  "maxsim: token scales must be contiguous 1-D float32 CUDA tensors");
+    TORCH_CHECK(q_scale->numel() == q_in.size(0) && d_scale->numel() == d_in.size(0),
+                "maxsim: q_scale must be [Tq] and d_scale [Td]");
+    TORCH_CHECK(q_in.size(1) % 4 == 0, "maxsim: quantized tokens need dim % 4 == 0 (zero-pad)");
+    if (dtype == at::kFloat8_e4m3fn) {
+      const auto* pr = at::cuda::getCurrentDeviceProperties();
+      TORCH_CHECK(pr->major * 10 + pr->minor >= 89, "maxsim: float8_e4m3fn tokens need sm_89 or newer");
+    }
+  } else {
+    TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
+                "maxsim: dtype must be float32, float16 or bfloat16");
+  }
   TORCH_CHECK(layout >= 0 && layout <= 2, "maxsim: bad layout");
   TORCH_CHECK(argmax_kind >= 0 && argmax_kind <= 2, "maxsim: bad argmax_kind");
   TORCH_CHECK(lq >= 0 && lq < (int64_t)1 << 30, "maxsim: bad lq");
@@ -260,6 +283,8 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q_in, const at
   p.d_mask = dm.defined() ? dm.data_ptr<bool>() : nullptr;
   p.pair_q = pq.defined() ? pq.data_ptr<int>() : nullptr;
   p.pair_d = pd.defined() ? pd.data_ptr<int>() : nullptr;
+  p.q_scale = quant ? q_scale->data_ptr<float>() : nullptr;
+  p.d_scale = quant ? d_scale->data_ptr<float>() : nullptr;
   p.Tq = q.size(0);
   p.Td = d.size(0);
   p.row_bytes = dim * esz;
@@ -298,6 +323,7 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q_in, const at
     }
   }
   if (vecb == 0) use_mma = false;
+  TORCH_CHECK(!quant || vecb > 0, "maxsim: quantized token rows must be 4-byte aligned");
   const int kch = (int)std::max<int64_t>(1, (p.row_bytes + kMmaKChunkBytes - 1) / kMmaKChunkBytes);
   int cfg = -1;
   size_t smem = 0;
@@ -318,10 +344,11 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q_in, const at
     }
     if (cfg < 0) use_mma = false;
   }
-  if (g_forced_cfg == -2) use_mma = false;
+  if (g_forced_cfg == -2 && !quant) use_mma = false;
+  TORCH_CHECK(use_mma || !quant, "maxsim: quantized query tile of dim ", dim, " does not fit in shared memory");
   // sm_90a wgmma + TMA kernel when its 128-row M tile is (nearly) full.
   const int64_t wg_rows = layout == kCross ? std::min<int64_t>(Nq * lq, kWgBM) : std::min<int64_t>(lq, kWgBM);
-  const bool use_wg = use_mma && dtype != at::kFloat && g_forced_cfg < 0 && prop->major == 9 &&
+  const bool use_wg = use_mma && !quant && dtype != at::kFloat && g_forced_cfg < 0 && prop->major == 9 &&
                       wg_rows >= kWgBM && wgmma_shape_ok(p, dim, esz) && wgmma_ready_any(dtype, dim, arg);
 
   const int bm = use_wg ? kWgBM : use_mma ? mma_cfg_info(cfg).bm : kSimtBM;
@@ -409,6 +436,30 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q_in, const at
   }
   if (p.row_mode) launch_finalize(arg, p, stream);
   return {scores, argmax};
+}
+
+}  // namespace cuda_fwd
+
+std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q, const at::Tensor& q_start,
+                                                const at::Tensor& q_len, const std::optional<at::Tensor>& q_mask,
+                                                const at::Tensor& d, const at::Tensor& d_start,
+                                                const at::Tensor& d_len, const std::optional<at::Tensor>& d_mask,
+                                                const std::optional<at::Tensor>& pair_q,
+                                                const std::optional<at::Tensor>& pair_d, int64_t layout, int64_t lq,
+                                                int64_t argmax_kind, bool tf32) {
+  return cuda_fwd::forward_impl(q, nullptr, q_start, q_len, q_mask, d, nullptr, d_start, d_len, d_mask, pair_q,
+                                pair_d, layout, lq, argmax_kind, tf32);
+}
+
+std::tuple<at::Tensor, at::Tensor> forward_quant_cuda(
+    const at::Tensor& q, const at::Tensor& q_scale, const at::Tensor& q_start, const at::Tensor& q_len,
+    const std::optional<at::Tensor>& q_mask, const at::Tensor& d, const at::Tensor& d_scale,
+    const at::Tensor& d_start, const at::Tensor& d_len, const std::optional<at::Tensor>& d_mask,
+    const std::optional<at::Tensor>& pair_q, const std::optional<at::Tensor>& pair_d, int64_t layout, int64_t lq,
+    int64_t argmax_kind) {
+  const at::Tensor qs = q_scale.contiguous(), ds = d_scale.contiguous();
+  return cuda_fwd::forward_impl(q, &qs, q_start, q_len, q_mask, d, &ds, d_start, d_len, d_mask, pair_q, pair_d,
+                                layout, lq, argmax_kind, false);
 }
 
 }  // namespace maxsim

@@ -1,5 +1,6 @@
 // Tensor-core forward kernel (fp16 / bf16 via mma.sync m16n8k16, fp32 via
-// TF32 m16n8k8), fp32 accumulation.
+// TF32 m16n8k8, int8 / fp8 e4m3 via m16n8k32), fp32 accumulation (int32 for
+// int8, exact).
 //
 // One CTA = one work item: an M tile of BM query rows (one query, several
 // stacked queries for CROSS, or a BM-row slice of a long query) against one
@@ -11,6 +12,10 @@
 // running (max, argmax) per query row held in registers (NaN-propagating,
 // lowest index on ties, out-of-range / masked columns set to -inf), then the
 // CTA reduces across quads and warps and calls finish_tile.
+// Quantized tokens (int8 / fp8, per-token scales): each tile's products are
+// multiplied by their document token's scale before the max (prefetched into
+// registers while the tile's last k chunk is multiplied); the query token's
+// scale (> 0) commutes with the max and is applied to the row maxima.
 #pragma once
 
 #include <c10/cuda/CUDAException.h>
@@ -149,6 +154,7 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
   constexpr int WTM = BM / WM, WTN = BN / WN;
   constexpr int MT = WTM / 16, NT = WTN / 8;
   constexpr int KSTEPS = kMmaKChunkBytes / 32;
+  constexpr bool QUANT = kIsQuant<T>;
   static_assert(WTM % 16 == 0 && WTN % 16 == 0, "warp tile");
   static_assert(BN <= NTH, "one mask byte per thread");
   static_assert(STAGES >= 3, "mask prefetch needs >= 3 stages");
@@ -164,6 +170,7 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
   __shared__ long long doc_tb[kMmaMaxDpc];
   __shared__ int doc_c0[kMmaMaxDpc], doc_c1[kMmaMaxDpc], doc_tend[kMmaMaxDpc];
   __shared__ unsigned char doc_valid[kMmaMaxDpc];
+  __shared__ float row_scale[QUANT ? BM : 1];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp / WN, wn = warp % WN;
@@ -217,6 +224,10 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
     }
   }
   build_row_table<BM, NTH>(p, w, row_src, row_ok);
+  if (QUANT) {
+    __syncthreads();
+    for (int r = tid; r < BM; r += NTH) row_scale[r] = row_src[r] >= 0 ? p.q_scale[row_src[r]] : 0.f;
+  }
   __syncthreads();
 
   const uint32_t q_s = smem_u32(smem);
@@ -278,6 +289,13 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
         }
         red_b[0][r] = b;
         if (ARG) red_i[0][r] = ix;
+      }
+      __syncthreads();
+    }
+    if (QUANT) {
+      for (int r = tid; r < BM; r += NTH) {
+        float v = red_b[0][r];
+        if (v != neg_inf()) red_b[0][r] = v * row_scale[r];
       }
       __syncthreads();
     }
@@ -368,6 +386,19 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
       if (it + STAGES - 1 < total) issue(it + STAGES - 1, true);
       cp_async_commit();
 
+      float cs[QUANT ? NT : 1][2];  // doc-token scales of this lane's columns
+      if (QUANT && kc + 1 == p.kch) {
+        const int c0 = doc_c0[cdoc], c1 = doc_c1[cdoc];
+        const int col0 = c0 + (jg - cbase) * BN + wn * WTN + 2 * (lane & 3);
+        const float* sc = p.d_scale + (doc_tb[cdoc] - c0);
+#pragma unroll
+        for (int jn = 0; jn < (QUANT ? NT : 1); ++jn)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int col = col0 + jn * 8 + e;
+            cs[jn][e] = col < c1 ? __ldg(sc + col) : 0.f;
+          }
+      }
       const uint32_t a_base = q_s + (uint32_t)(kc * BM * kMmaKChunkBytes) + a_row;
       const uint32_t b_base = d_s + (uint32_t)(slot * STAGE_BYTES) + b_row;
       // Fragments double-buffered in registers across the k steps.
@@ -393,6 +424,14 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
       }
 
       if (++kc == p.kch) {
+        if constexpr (QUANT) {
+#pragma unroll
+          for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int jn = 0; jn < (QUANT ? NT : 1); ++jn)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) acc[i][jn][e] = Mma<T>::value(acc[i][jn][e]) * cs[jn][e & 1];
+        }
         // Fold tile j of doc cdoc into the running row maxima (columns in
         // increasing order).
         const int c0 = doc_c0[cdoc], c1 = doc_c1[cdoc];

@@ -18,6 +18,11 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.def("forward" MAXSIM_FORWARD_ARGS);
   ops.def("forward_train" MAXSIM_FORWARD_ARGS);
   ops.def(
+      "forward_quant(Tensor q, Tensor q_scale, Tensor q_start, Tensor q_len, "
+      "Tensor? q_mask, Tensor d, Tensor d_scale, Tensor d_start, Tensor d_len, "
+      "Tensor? d_mask, Tensor? pair_q, Tensor? pair_d, int layout, int lq, "
+      "int argmax_kind) -> (Tensor scores, Tensor argmax)");
+  ops.def(
       "backward(Tensor grad, Tensor q, Tensor q_start, Tensor q_len, "
       "Tensor d, Tensor d_start, Tensor d_len, Tensor? pair_q, "
       "Tensor? pair_d, Tensor argmax, int layout, Tensor? q_ptr, "
@@ -26,11 +31,13 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
 #if defined(CPU_KERNEL)
   ops.impl("forward", torch::kCPU, &maxsim::forward_cpu);
   ops.impl("forward_train", torch::kCPU, &maxsim::forward_cpu);
+  ops.impl("forward_quant", torch::kCPU, &maxsim::forward_quant_cpu);
   ops.impl("backward", torch::kCPU, &maxsim::backward_cpu);
 #endif
 #if defined(CUDA_KERNEL)
   ops.impl("forward", torch::kCUDA, &maxsim::forward_cuda);
   ops.impl("forward_train", torch::kCUDA, &maxsim::forward_cuda);
+  ops.impl("forward_quant", torch::kCUDA, &maxsim::forward_quant_cuda);
   ops.impl("backward", torch::kCUDA, &maxsim::backward_cuda);
 #endif
 #if defined(METAL_KERNEL)

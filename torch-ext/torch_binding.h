@@ -47,6 +47,16 @@ using ForwardFn = std::tuple<at::Tensor, at::Tensor>(
     const std::optional<at::Tensor>& pair_d, int64_t layout, int64_t lq,
     int64_t argmax_kind, bool tf32);
 
+// Quantized tokens (inference only): q / d are int8 or float8_e4m3fn with
+// per-token fp32 scales q_scale [Tq] (> 0) / d_scale [Td]; token r stands for
+// scale[r] * row r. Same contract as forward otherwise (no tf32 flag).
+using ForwardQuantFn = std::tuple<at::Tensor, at::Tensor>(
+    const at::Tensor& q, const at::Tensor& q_scale, const at::Tensor& q_start, const at::Tensor& q_len,
+    const std::optional<at::Tensor>& q_mask, const at::Tensor& d, const at::Tensor& d_scale,
+    const at::Tensor& d_start, const at::Tensor& d_len, const std::optional<at::Tensor>& d_mask,
+    const std::optional<at::Tensor>& pair_q, const std::optional<at::Tensor>& pair_d, int64_t layout, int64_t lq,
+    int64_t argmax_kind);
+
 // Backward from the saved argmax. grad [P] fp32. Returns (dq [Tq, dim],
 // dd [Td, dim]) in the input dtype, fp32-accumulated, each row written by
 // exactly one owner (deterministic). Rows no pair selects are zero. A gradient
@@ -69,10 +79,12 @@ using BackwardFn = std::tuple<at::Tensor, at::Tensor>(
 // in the CUDA variant so CPU tensors keep a compiled path there.
 #if defined(CPU_KERNEL)
 ForwardFn forward_cpu;
+ForwardQuantFn forward_quant_cpu;
 BackwardFn backward_cpu;
 #endif
 #if defined(CUDA_KERNEL)
 ForwardFn forward_cuda;
+ForwardQuantFn forward_quant_cuda;
 BackwardFn backward_cuda;
 #endif
 #if defined(METAL_KERNEL)

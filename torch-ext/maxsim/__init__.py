@@ -8,6 +8,7 @@ materialising the similarity grid, for inference and training. Load with
 from . import distributed, integrations, layers, reference
 from ._registry import FALLBACKS, ops
 from .reference import maxsim_reference
+from .retrieval import Corpus, quantize_tokens, search
 from .scoring import (
     maxsim,
     score_candidates_padded,
@@ -22,6 +23,7 @@ from .scoring import (
 )
 
 __all__ = [
+    "Corpus",
     "FALLBACKS",
     "distributed",
     "integrations",
@@ -29,6 +31,7 @@ __all__ = [
     "maxsim",
     "maxsim_reference",
     "ops",
+    "quantize_tokens",
     "reference",
     "score_candidates_padded",
     "score_candidates_padded_train",
@@ -39,4 +42,5 @@ __all__ = [
     "score_pairs_packed",
     "score_pairs_packed_train",
     "score_pairs_packed_with_argmax",
+    "search",
 ]

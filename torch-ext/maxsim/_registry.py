@@ -19,6 +19,7 @@ from ._ops import add_op_namespace_prefix, ops
 
 FORWARD = add_op_namespace_prefix("forward")
 FORWARD_TRAIN = add_op_namespace_prefix("forward_train")
+FORWARD_QUANT = add_op_namespace_prefix("forward_quant")
 BACKWARD = add_op_namespace_prefix("backward")
 
 #: (op name, dispatch key) pairs served by the Python reference.
@@ -43,6 +44,13 @@ def _argmax_empty(q, P, lq, argmax_kind):
 @torch.library.register_fake(FORWARD)
 def _forward_fake(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d,
                   layout, lq, argmax_kind, tf32):
+    P = num_pairs(q_start, d_start, pair_q, layout)
+    return q.new_empty((P,), dtype=torch.float32), _argmax_empty(q, P, lq, argmax_kind)
+
+
+@torch.library.register_fake(FORWARD_QUANT)
+def _forward_quant_fake(q, q_scale, q_start, q_len, q_mask, d, d_scale, d_start, d_len, d_mask,
+                        pair_q, pair_d, layout, lq, argmax_kind):
     P = num_pairs(q_start, d_start, pair_q, layout)
     return q.new_empty((P,), dtype=torch.float32), _argmax_empty(q, P, lq, argmax_kind)
 
@@ -109,6 +117,13 @@ def _reference_forward(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pai
                              pair_q, pair_d, layout, lq, argmax_kind, tf32)
 
 
+def _reference_forward_quant(q, q_scale, q_start, q_len, q_mask, d, d_scale, d_start, d_len, d_mask,
+                             pair_q, pair_d, layout, lq, argmax_kind):
+    _warn_fallback("forward_quant", q.device.type)
+    return reference.forward_quant(q, q_scale, q_start, q_len, q_mask, d, d_scale, d_start, d_len,
+                                   d_mask, pair_q, pair_d, layout, lq, argmax_kind)
+
+
 def _reference_backward(grad, q, q_start, q_len, d, d_start, d_len, pair_q, pair_d, argmax,
                         layout, q_ptr, q_pairs, d_ptr, d_pairs, need_dq, need_dd):
     _warn_fallback("backward", q.device.type)
@@ -119,7 +134,7 @@ def _reference_backward(grad, q, q_start, q_len, d, d_start, d_len, pair_q, pair
 def _register_fallbacks() -> None:
     for key in ("CPU", "CUDA", "MPS"):
         for name, impl in ((FORWARD, _reference_forward), (FORWARD_TRAIN, _reference_forward),
-                           (BACKWARD, _reference_backward)):
+                           (FORWARD_QUANT, _reference_forward_quant), (BACKWARD, _reference_backward)):
             if not torch._C._dispatch_has_kernel_for_dispatch_key(name, key):
                 torch.library.impl(name, key)(impl)
                 FALLBACKS.add((name.split("::")[1], key))

@@ -82,6 +82,18 @@ def forward(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d
     return scores, argmax
 
 
+def dequantize(x, scale, dtype=torch.float32):
+    """Token rows stored as int8 / float8 with per-row scales -> ``dtype``."""
+    return x.to(dtype) * scale.to(dtype)[:, None]
+
+
+def forward_quant(q, q_scale, q_start, q_len, q_mask, d, d_scale, d_start, d_len, d_mask, pair_q,
+                  pair_d, layout: int, lq: int, argmax_kind: int, accum: torch.dtype = torch.float32):
+    """Reference for ``ops.forward_quant``: the forward of the dequantised tokens."""
+    return forward(dequantize(q, q_scale, accum), q_start, q_len, q_mask, dequantize(d, d_scale, accum),
+                   d_start, d_len, d_mask, pair_q, pair_d, layout, lq, argmax_kind, accum=accum)
+
+
 def backward(grad, q, q_start, q_len, d, d_start, d_len, pair_q, pair_d, argmax,
              layout: int, q_ptr=None, q_pairs=None, d_ptr=None, d_pairs=None,
              need_dq: bool = True, need_dd: bool = True,

@@ -1,0 +1,229 @@
+"""search() / Corpus: exact top-k against the fp64 reference, ties, masks,
+storages (device, pinned streaming, cpu), quantised corpora."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import DEVICES, rand
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def packed_corpus(n, dim, dtype, device, gen, max_len=40, min_len=0):
+    lens = torch.randint(min_len, max_len + 1, (n,), generator=gen)
+    off = torch.zeros(n + 1, dtype=torch.int64)
+    off[1:] = lens.cumsum(0)
+    docs = rand(int(off[-1]), dim, dtype=dtype, device=device, gen=gen)
+    return docs, off.to(device)
+
+
+def ref_scores(ms, Q, docs, off, q_len=None, q_mask=None, d_mask=None):
+    """fp64 [Nq, N] MaxSim of padded queries against packed documents."""
+    Nq, Lq, d = Q.shape
+    q_start = torch.arange(Nq, dtype=torch.int32) * Lq
+    ql = torch.full((Nq,), Lq, dtype=torch.int32) if q_len is None else q_len.to(torch.int32).cpu()
+    off = off.cpu().long()
+    s, _ = ms.reference.forward(
+        Q.reshape(-1, d).cpu(), q_start, ql, None if q_mask is None else q_mask.reshape(-1).cpu(),
+        docs.cpu(), off[:-1].to(torch.int32), (off[1:] - off[:-1]).to(torch.int32),
+        None if d_mask is None else d_mask.cpu(), None, None, 0, Lq, 0, accum=torch.float64)
+    return s.view(Nq, -1)
+
+
+def ref_topk(scores: torch.Tensor, k: int):
+    """Top-k by (score desc, id asc), from fp64 scores."""
+    s = torch.where(torch.isnan(scores), float("-inf"), scores)
+    return torch.sort(s, dim=1, descending=True, stable=True).indices[:, :k]
+
+
+def check_topk(scores, ids, ref, k, tol):
+    """ids hold a valid top-k of the fp64 scores: ranks agree up to near-ties."""
+    ref_sorted = torch.sort(ref, dim=1, descending=True).values[:, :k]
+    got = torch.gather(ref, 1, ids.cpu().long())
+    scale = ref.abs().amax().clamp_min(1.0)
+    # every returned doc is within tolerance of the true k-th best, in order
+    assert torch.all((got - ref_sorted).abs() <= tol * scale), (got, ref_sorted)
+    assert torch.allclose(scores.double().cpu(), got, rtol=0, atol=tol * float(scale))
+    # no duplicates
+    for row in ids.cpu():
+        assert row.unique().numel() == row.numel()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_search_matches_reference(ms, device, dtype):
+    g = torch.Generator().manual_seed(11)
+    docs, off = packed_corpus(300, 48, dtype, device, g)
+    Q = rand(5, 17, 48, dtype=dtype, device=device, gen=g)
+    ref = ref_scores(ms, Q, docs, off)
+    for k in (1, 10, 33):
+        scores, ids = ms.search(Q, (docs, off), k)
+        assert scores.shape == (5, k) and ids.shape == (5, k) and ids.dtype == torch.int64
+        check_topk(scores, ids, ref, k, TOL[dtype])
+    if dtype == torch.float32:  # exact path: the exact ranking
+        scores, ids = ms.search(Q, (docs, off), 20)
+        assert torch.equal(ids.cpu(), ref_topk(ref, 20))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_search_blocks_and_ties(ms, device):
+    """Duplicated documents tie exactly: lower id first, across block borders."""
+    g = torch.Generator().manual_seed(3)
+    base, off = packed_corpus(40, 32, torch.float32, "cpu", g, min_len=1)
+    lens = (off[1:] - off[:-1]).tolist()
+    parts = list(torch.split(base, lens))
+    order = [i % 40 for i in range(120)]  # each doc three times
+    docs = torch.cat([parts[i] for i in order]).to(device)
+    off3 = torch.zeros(121, dtype=torch.int64)
+    off3[1:] = torch.tensor([lens[i] for i in order]).cumsum(0)
+    Q = rand(3, 9, 32, device=device, gen=g)
+    full, fids = ms.search(Q, (docs, off3.to(device)), 30)
+    for bd in (1, 7, 40, 1000):
+        s, ids = ms.search(Q, ms.Corpus(docs, off3, device=device, storage="cpu" if device == "cpu" else "device"),
+                           30, block_docs=bd)
+        assert torch.equal(ids, fids) and torch.equal(s, full)
+    ids = fids.cpu()
+    for row, srow in zip(ids, full.cpu()):
+        for j in range(0, 30, 3):  # each score appears as id x, x+40, x+80 in order
+            assert torch.all(srow[j:j + 3] == srow[j])
+            assert row[j + 1] == row[j] + 40 and row[j + 2] == row[j] + 80
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_search_masks_lengths_padded_corpus(ms, device):
+    g = torch.Generator().manual_seed(5)
+    N, L, d = 64, 23, 40
+    D = rand(N, L, d, device=device, gen=g)
+    lengths = torch.randint(0, L + 1, (N,), generator=g)
+    mask = torch.rand(N, L, generator=g) < 0.7
+    Q = rand(4, 15, d, device=device, gen=g)
+    qlen = torch.tensor([15, 1, 7, 0])
+    qmask = torch.rand(4, 15, generator=g) < 0.8
+    off = torch.arange(N + 1) * L
+    flat = D.reshape(N * L, d)
+    # lengths
+    s, ids = ms.search(Q, ms.Corpus(D, lengths=lengths, device=device), 12, query_lengths=qlen.to(device))
+    lmask = (torch.arange(L)[None] < lengths[:, None]).reshape(-1)
+    ref = ref_scores(ms, Q, flat, off, q_len=qlen, d_mask=lmask)
+    check_topk(s, ids, ref, 12, 1e-5)
+    # masks
+    s, ids = ms.search(Q, ms.Corpus(D, mask=mask.to(device), device=device), 12, query_mask=qmask.to(device))
+    ref = ref_scores(ms, Q, flat, off, q_mask=qmask, d_mask=mask.reshape(-1))
+    check_topk(s, ids, ref, 12, 1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_search_degenerate(ms, device):
+    g = torch.Generator().manual_seed(8)
+    docs, off = packed_corpus(5, 16, torch.float32, device, g, min_len=1)
+    Q = rand(2, 4, 16, device=device, gen=g)
+    s, ids = ms.search(Q, (docs, off), 8)  # k > number of documents: padded tail
+    assert torch.equal(ids[:, 5:].cpu(), torch.full((2, 3), -1))
+    assert torch.all(torch.isneginf(s[:, 5:]))
+    assert sorted(ids[0, :5].tolist()) == [0, 1, 2, 3, 4]
+    s, ids = ms.search(Q, (docs, off), 0)
+    assert s.shape == (2, 0) and ids.shape == (2, 0)
+    s1, i1 = ms.search(Q[0], (docs, off), 3)  # one 2-D query
+    assert s1.shape == (3,) and torch.equal(i1, ms.search(Q[:1], (docs, off), 3)[1][0])
+    empty = ms.Corpus(docs[:0], torch.zeros(1, dtype=torch.int64), device=device)
+    s, ids = ms.search(Q, empty, 2)
+    assert torch.equal(ids.cpu(), torch.full((2, 2), -1))
+    with pytest.raises(ValueError, match="dim"):
+        ms.search(rand(2, 4, 8, device=device), (docs, off), 2)
+    with pytest.raises(ValueError, match="offsets"):
+        ms.Corpus(docs, torch.tensor([0, 5, 3]), device=device)
+    with pytest.raises(ValueError, match="k must"):
+        ms.search(Q, (docs, off), -1)
+    with pytest.raises(ValueError, match="storage"):
+        ms.Corpus(docs, off, storage="disk")
+
+
+def test_keys_roundtrip(ms):
+    s = torch.tensor([[1.5, -0.0, 0.0, float("nan"), float("-inf"), float("inf"), -2.25, 3e-39]])
+    ids = torch.arange(8)[None]
+    keys = ms.retrieval.encode_keys(s, ids)
+    back, bid = ms.retrieval.decode_keys(keys)
+    assert torch.equal(bid, ids)
+    assert torch.equal(back[~torch.isnan(back)], (s + 0.0)[~torch.isnan(s)])
+    assert torch.isnan(back[0, 3])
+    top = ms.retrieval.decode_keys(ms.retrieval.merge_topk(keys, 10))
+    assert top[1][0].tolist() == [5, 0, 7, 1, 2, 6, 4, 3, -1, -1]  # -0 == +0: lower id first; NaN last
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_quantized_corpus_exact_on_dequantized(ms, device, kind):
+    """The quantised kernels score exactly the dequantised tokens."""
+    if kind == "fp8" and device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 tensor cores need sm_89+")
+    g = torch.Generator().manual_seed(21)
+    docs, off = packed_corpus(200, 50, torch.float32, device, g)
+    Q = rand(3, 13, 50, device=device, gen=g)
+    corpus = ms.Corpus(docs, off, device=device, quantization=kind)
+    assert corpus.tokens.shape[1] == 64
+    s, ids = ms.search(Q, corpus, 25)
+    qv, qs = ms.quantize_tokens(Q.reshape(-1, 50), kind)
+    deq_q = ms.reference.dequantize(qv.cpu(), qs.cpu(), torch.float64)[:, :50].reshape(3, 13, 50)
+    deq_d = ms.reference.dequantize(corpus.tokens.cpu(), corpus.scales.cpu(), torch.float64)[:, :50]
+    ref = ref_scores(ms, deq_q, deq_d, off)
+    check_topk(s, ids, ref, 25, 1e-5)
+    # and close to the unquantised scores
+    exact = ref_scores(ms, Q.double(), docs.double(), off)
+    got = torch.gather(exact, 1, ids.cpu().long())
+    assert (got - s.double().cpu()).abs().max() < (0.05 if kind == "int8" else 0.3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_quantize_tokens(ms, device):
+    g = torch.Generator().manual_seed(2)
+    x = rand(100, 33, device=device, gen=g) * 3
+    x[5] = 0
+    v, s = ms.quantize_tokens(x, "int8")
+    assert v.dtype == torch.int8 and v.shape == (100, 48) and torch.all(v[:, 33:] == 0)
+    deq = ms.reference.dequantize(v, s)[:, :33]
+    assert torch.all((deq - x).abs() <= s[:, None] * 0.5 + 1e-6)
+    assert torch.all(v[5] == 0) and s[5] == 1
+    assert v.abs().amax(1)[torch.arange(100) != 5].eq(127).all()
+    with pytest.raises(ValueError):
+        ms.quantize_tokens(x, "int4")
+
+
+def test_quant_op_matches_reference_op(ms):
+    """forward_quant on CPU vs its reference, all layouts of the op."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randint(-127, 128, (30, 32), generator=g, dtype=torch.int8)
+    d = torch.randint(-127, 128, (90, 32), generator=g, dtype=torch.int8)
+    qs, ds = torch.rand(30, generator=g) + 0.1, torch.rand(90, generator=g) + 0.1
+    q_start, q_len = torch.tensor([0, 10, 20], dtype=torch.int32), torch.tensor([10, 10, 7], dtype=torch.int32)
+    d_start = torch.tensor([0, 30, 60], dtype=torch.int32)
+    d_len = torch.tensor([30, 0, 29], dtype=torch.int32)
+    for layout, pq, pd in ((0, None, None), (1, None, None),
+                           (2, torch.tensor([2, 0, 1], dtype=torch.int32), torch.tensor([0, 2, 2], dtype=torch.int32))):
+        got = ms.ops.forward_quant(q, qs, q_start, q_len, None, d, ds, d_start, d_len, None, pq, pd, layout, 10, 1)
+        ref = ms.reference.forward_quant(q, qs, q_start, q_len, None, d, ds, d_start, d_len, None, pq, pd,
+                                         layout, 10, 1, accum=torch.float64)
+        torch.testing.assert_close(got[0].double(), ref[0], rtol=1e-5, atol=1e-4)
+        assert torch.equal(got[1], ref[1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned streaming needs CUDA")
+@pytest.mark.parametrize("kind", [None, "int8"])
+def test_pinned_streaming_matches_device(ms, kind):
+    g = torch.Generator().manual_seed(9)
+    docs, off = packed_corpus(3000, 64, torch.bfloat16, "cpu", g)
+    Q = rand(4, 32, 64, dtype=torch.bfloat16, device="cuda", gen=g)
+    dev = ms.Corpus(docs, off, device="cuda", quantization=kind)
+    pin = ms.Corpus(docs, off, storage="pinned", quantization=kind, chunk_mib=1)
+    assert len(pin._chunks) > 10
+    for _ in range(2):  # buffers reused across calls
+        a = ms.search(Q, dev, 50)
+        b = ms.search(Q, pin, 50)
+        assert torch.equal(a[1], b[1]) and torch.equal(a[0], b[0])
+    cpu = ms.Corpus(docs, off, storage="cpu", quantization=kind)
+    c = ms.search(Q.cpu(), cpu, 50)
+    ref = ref_scores(ms, Q.float().cpu(), docs.float(), off) if kind is None else None
+    if ref is not None:
+        check_topk(c[0], c[1], ref, 50, 1e-2)
+        check_topk(b[0], b[1], ref, 50, 1e-2)

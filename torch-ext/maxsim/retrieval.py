@@ -1,0 +1,389 @@
+"""Exact MaxSim top-k search over a packed corpus, in bounded memory.
+
+``search(Q, corpus, k)`` scores every query against every document of a
+:class:`Corpus` block by block with the compiled forward op and keeps a
+running top-k per query, so no more than ``Nq x block`` scores exist at once
+(never the full ``[Nq, Nd]`` matrix). Each (score, document id) is packed into
+one int64 key whose order is "higher score, then lower id", which makes the
+top-k exact and deterministic with ``torch.topk`` (no tie ambiguity) and lets
+partial results from blocks, streams or ranks merge by another ``topk``.
+
+A corpus lives on the GPU, in pinned host memory (streamed to the GPU in
+chunks on a copy stream, double-buffered against the scoring of the previous
+chunk) or on the CPU (CPU kernels); it may be stored as int8 (per-token
+symmetric scales, scored exactly in int32 on int8 tensor cores) or fp8 e4m3
+(per-token scales, fp8 tensor cores on sm_89+), in which case the queries are
+quantised the same way per token.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+import torch
+
+from ._registry import ops
+from .reference import CROSS
+
+Tensor = torch.Tensor
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_INT64_MIN = -(1 << 63)
+_NAN_ORD = -(1 << 31)  # below the order code of -inf: NaN scores rank last
+_LOW = (1 << 32) - 1
+_SCORE_BUDGET = 1 << 23  # scores (Nq x docs) held at once per block
+_QMAX = {"int8": 127.0, "fp8": 448.0}
+
+__all__ = ["Corpus", "search", "quantize_tokens", "merge_topk", "encode_keys", "decode_keys"]
+
+
+# ----------------------------------------------------------------------------
+# (score, id) <-> ordered int64 key
+# ----------------------------------------------------------------------------
+
+def encode_keys(scores: Tensor, ids: Tensor) -> Tensor:
+    """int64 keys ordered by (score descending, id ascending); NaN ranks below
+    every number; id -1 marks an empty slot, which ranks below everything."""
+    s = scores.to(torch.float32) + 0.0  # -0.0 -> +0.0: equal scores get equal codes
+    bits = s.view(torch.int32).to(torch.int64)
+    order = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    order = torch.where(torch.isnan(s), _NAN_ORD, order)
+    ids = ids.to(torch.int64)
+    keys = order * (1 << 32) + (_LOW - ids)
+    return torch.where(ids < 0, _INT64_MIN, keys)
+
+
+def decode_keys(keys: Tensor) -> tuple[Tensor, Tensor]:
+    """Inverse of :func:`encode_keys`: (fp32 scores, int64 ids); empty slots
+    come back as (-inf, -1)."""
+    order = keys >> 32
+    ids = _LOW - (keys & _LOW)
+    bits = torch.where(order >= 0, order, order ^ 0x7FFFFFFF).to(torch.int32)
+    scores = bits.view(torch.float32)
+    scores = torch.where(order == _NAN_ORD, float("nan"), scores)
+    empty = keys == _INT64_MIN
+    return torch.where(empty, float("-inf"), scores), torch.where(empty, -1, ids)
+
+
+def merge_topk(keys: Tensor, k: int) -> Tensor:
+    """Top-k keys along dim 1 (descending), padded with empty slots when fewer."""
+    if keys.shape[1] < k:
+        pad = keys.new_full((keys.shape[0], k - keys.shape[1]), _INT64_MIN)
+        keys = torch.cat([keys, pad], dim=1)
+    return keys.topk(k, dim=1).values
+
+
+# ----------------------------------------------------------------------------
+# quantisation
+# ----------------------------------------------------------------------------
+
+def quantize_tokens(x: Tensor, kind: str, *, rows_per_block: Optional[int] = None) -> tuple[Tensor, Tensor]:
+    """Per-token symmetric quantisation of ``x [T, d]``.
+
+    ``kind`` is ``"int8"`` (round to nearest, [-127, 127]) or ``"fp8"``
+    (float8_e4m3fn, the row's max magnitude mapped to 448). The dim is
+    zero-padded to a multiple of 16 (exact: zero columns add nothing).
+    Returns ``(values [T, d_pad], scales [T] fp32)``; row r stands for
+    ``scales[r] * values[r]``. Works in blocks of rows to bound the fp32
+    temporary.
+    """
+    if kind not in _QMAX:
+        raise ValueError(f"quantization must be 'int8' or 'fp8', got {kind!r}")
+    if x.dim() != 2 or x.dtype not in _FLOATS:
+        raise TypeError("quantize_tokens expects a float [T, d] tensor")
+    T, d = x.shape
+    dp = (d + 15) // 16 * 16
+    vt = torch.int8 if kind == "int8" else torch.float8_e4m3fn
+    values = torch.empty((T, dp), dtype=vt, device=x.device)
+    scales = torch.empty((T,), dtype=torch.float32, device=x.device)
+    if dp > d:
+        values[:, d:].zero_()
+    step = rows_per_block or max(1, (64 << 20) // max(1, 4 * dp))
+    qmax = _QMAX[kind]
+    for r0 in range(0, T, step):
+        xb = x[r0:r0 + step].to(torch.float32)
+        amax = xb.abs().amax(dim=1) if d else xb.new_zeros(xb.shape[0])
+        s = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+        y = xb / s[:, None]
+        if kind == "int8":
+            y = y.round_().clamp_(-127, 127)
+        values[r0:r0 + step, :d] = y.to(vt)
+        scales[r0:r0 + step] = s
+    return values, scales
+
+
+# ----------------------------------------------------------------------------
+# Corpus
+# ----------------------------------------------------------------------------
+
+def _as_packed(documents: Tensor, offsets, lengths, mask):
+    """(tokens [T, d], starts [N], lengths [N], token mask [T] or None) as
+    int64 CPU index tensors; validated (one host sync, at construction)."""
+    if not isinstance(documents, torch.Tensor) or documents.dtype not in _FLOATS:
+        raise TypeError("documents must be a float32 / float16 / bfloat16 tensor")
+    if documents.dim() == 2:
+        if offsets is None:
+            raise ValueError("packed documents [T, d] need offsets [N+1]")
+        if lengths is not None or mask is not None:
+            raise ValueError("lengths / mask go with padded documents [N, L, d]; packed documents use offsets")
+        off = torch.as_tensor(offsets).to("cpu", torch.int64).reshape(-1)
+        T = documents.shape[0]
+        if off.numel() < 1 or int(off[0]) != 0 or int(off[-1]) != T or bool((off[1:] < off[:-1]).any()):
+            raise ValueError(f"offsets must start at 0, end at the token count {T} and never decrease")
+        return documents, off[:-1].clone(), off[1:] - off[:-1], None
+    if documents.dim() == 3:
+        if offsets is not None:
+            raise ValueError("padded documents [N, L, d] take lengths or mask, not offsets")
+        N, L, d = documents.shape
+        tokens = documents.reshape(N * L, d)
+        starts = torch.arange(N, dtype=torch.int64) * L
+        if lengths is not None:
+            ln = torch.as_tensor(lengths).to("cpu", torch.int64).reshape(-1)
+            if ln.numel() != N or bool(((ln < 0) | (ln > L)).any()):
+                raise ValueError(f"lengths must be [N={N}] values in [0, {L}]")
+        else:
+            ln = torch.full((N,), L, dtype=torch.int64)
+        tmask = None
+        if mask is not None:
+            if mask.dtype != torch.bool or tuple(mask.shape) != (N, L):
+                raise ValueError(f"mask must be bool [N={N}, L={L}]")
+            tmask = mask.reshape(-1)
+        return tokens, starts, ln, tmask
+    raise ValueError(f"documents must be packed [T, d] or padded [N, L, d], got shape {tuple(documents.shape)}")
+
+
+class Corpus:
+    """A document collection ready for :func:`search`.
+
+    ``documents`` is packed ``[T, d]`` with ``offsets [N+1]``, or padded
+    ``[N, L, d]`` with optional ``lengths [N]`` or bool ``mask [N, L]``.
+
+    ``storage``: ``"device"`` (tokens on ``device``, default CUDA when
+    available), ``"pinned"`` (pinned host memory, streamed to ``device`` in
+    chunks of about ``chunk_mib`` MiB; for corpora larger than GPU memory) or
+    ``"cpu"`` (scored by the CPU kernels). ``quantization``: ``None`` (keep
+    the dtype), ``"int8"`` or ``"fp8"`` (see :func:`quantize_tokens`).
+    Construction validates the layout (host syncs allowed here, not in
+    :func:`search`).
+    """
+
+    def __init__(self, documents: Tensor, offsets=None, *, lengths=None, mask=None, storage: str = "device",
+                 quantization: Optional[str] = None, device=None, chunk_mib: int = 256):
+        if storage not in ("device", "pinned", "cpu"):
+            raise ValueError(f"storage must be 'device', 'pinned' or 'cpu', got {storage!r}")
+        if quantization not in (None, "int8", "fp8"):
+            raise ValueError(f"quantization must be None, 'int8' or 'fp8', got {quantization!r}")
+        tokens, starts, lens, tmask = _as_packed(documents, offsets, lengths, mask)
+        if storage == "cpu":
+            dev = torch.device("cpu")
+        elif device is not None:
+            dev = torch.device(device)
+        elif storage == "pinned" or documents.device.type == "cpu":
+            dev = torch.device("cuda") if torch.cuda.is_available() else documents.device
+        else:
+            dev = documents.device
+        if storage == "pinned" and dev.type != "cuda":
+            raise ValueError("storage='pinned' streams to a CUDA device; none is available")
+        if quantization == "fp8" and dev.type == "cuda" and torch.cuda.get_device_capability(dev) < (8, 9):
+            raise ValueError("fp8 corpora need a GPU of compute capability 8.9 or newer")
+        self.device = dev
+        self.storage = storage
+        self.quantization = quantization
+        self.dim = tokens.shape[1]
+        self.dtype = tokens.dtype
+        self.num_docs = starts.numel()
+        self.num_tokens = tokens.shape[0]
+        home = torch.device("cpu") if storage != "device" else dev
+        # Quantise where the compute is (fast on a GPU), keep it where it is stored.
+        scales = None
+        if quantization is not None:
+            work = dev if dev.type == "cuda" else tokens.device
+            vals, scales = [], []
+            rows = max(1, (256 << 20) // max(1, 2 * tokens.shape[1]))
+            for r0 in range(0, tokens.shape[0], rows):
+                v, s = quantize_tokens(tokens[r0:r0 + rows].to(work), quantization)
+                vals.append(v.to(home))
+                scales.append(s.to(home))
+            tokens = torch.cat(vals) if vals else quantize_tokens(tokens.to(work), quantization)[0].to(home)
+            scales = torch.cat(scales) if scales else torch.empty(0, dtype=torch.float32, device=home)
+        else:
+            tokens = tokens.to(home).contiguous()
+        if tmask is not None:
+            tmask = tmask.to(home).contiguous()
+        if storage == "pinned":
+            tokens = tokens.pin_memory()
+            scales = None if scales is None else scales.pin_memory()
+            tmask = None if tmask is None else tmask.pin_memory()
+        self.tokens, self.scales, self.token_mask = tokens, scales, tmask
+        self.starts = starts.to(torch.int32).to(dev)
+        self.lengths = lens.to(torch.int32).to(dev)
+        self._chunks = None
+        if storage == "pinned":
+            self._plan_chunks(starts, lens, chunk_mib)
+
+    def __len__(self) -> int:
+        return self.num_docs
+
+    def __repr__(self) -> str:
+        q = self.quantization or str(self.dtype).replace("torch.", "")
+        return (f"Corpus({self.num_docs} docs, {self.num_tokens} tokens, dim {self.dim}, {q}, "
+                f"storage={self.storage}, device={self.device})")
+
+    # -- pinned streaming -------------------------------------------------------
+    def _plan_chunks(self, starts: Tensor, lens: Tensor, chunk_mib: int) -> None:
+        """Consecutive documents grouped into chunks of contiguous token rows."""
+        row_bytes = self.tokens.shape[1] * self.tokens.element_size()
+        cap = max(1, (chunk_mib << 20) // max(1, row_bytes))
+        chunks, doc0 = [], 0
+        st, ln = starts.tolist(), lens.tolist()
+        tok0 = st[0] if st else 0
+        for i in range(self.num_docs):
+            end = st[i] + ln[i]
+            if i > doc0 and end - tok0 > cap:
+                chunks.append((doc0, i, tok0, st[i]))
+                doc0, tok0 = i, st[i]
+        if self.num_docs:
+            chunks.append((doc0, self.num_docs, tok0, st[-1] + ln[-1]))
+        self._chunks = chunks
+        self._max_rows = max([t1 - t0 for _, _, t0, t1 in chunks] + [1])
+        base = torch.zeros(self.num_docs, dtype=torch.int64)
+        for d0, d1, t0, _ in chunks:
+            base[d0:d1] = t0
+        self._local_starts = (starts - base).to(torch.int32).to(self.device)
+        self._buffers = None
+        self._copy_stream = None
+
+    def _stream(self) -> Iterator[tuple]:
+        dev = self.device
+        if self._buffers is None:
+            def alloc(t):
+                return None if t is None else torch.empty((self._max_rows,) + tuple(t.shape[1:]), dtype=t.dtype,
+                                                          device=dev)
+            self._buffers = [(alloc(self.tokens), alloc(self.scales), alloc(self.token_mask)) for _ in range(2)]
+            self._copy_stream = torch.cuda.Stream(dev)
+        cur = torch.cuda.current_stream(dev)
+        cp = self._copy_stream
+        copied = [torch.cuda.Event(), torch.cuda.Event()]
+        freed: list = [None, None]
+        cp.wait_stream(cur)  # buffers may still be read by an earlier search
+
+        def issue(c: int) -> None:
+            b = c % 2
+            _, _, t0, t1 = self._chunks[c]
+            with torch.cuda.stream(cp):
+                if freed[b] is not None:
+                    cp.wait_event(freed[b])
+                for dst, src in zip(self._buffers[b], (self.tokens, self.scales, self.token_mask)):
+                    if src is not None:
+                        dst[:t1 - t0].copy_(src[t0:t1], non_blocking=True)
+                copied[b].record(cp)
+
+        n = len(self._chunks)
+        if n:
+            issue(0)
+        for c in range(n):
+            if c + 1 < n:
+                issue(c + 1)
+            cur.wait_event(copied[c % 2])
+            d0, d1, t0, t1 = self._chunks[c]
+            tok, sc, m = self._buffers[c % 2]
+            yield (d0, d1, tok[:t1 - t0], None if sc is None else sc[:t1 - t0],
+                   None if m is None else m[:t1 - t0], self._local_starts[d0:d1])
+            ev = torch.cuda.Event()
+            ev.record(cur)
+            freed[c % 2] = ev
+
+    def _resident(self) -> Iterator[tuple]:
+        yield (0, self.num_docs, self.tokens, self.scales, self.token_mask, self.starts)
+
+    def chunks(self) -> Iterator[tuple]:
+        """(doc0, doc1, tokens, scales, token mask, starts of docs doc0..doc1-1
+        into tokens) on the compute device, chunk by chunk."""
+        return self._stream() if self.storage == "pinned" else self._resident()
+
+
+# ----------------------------------------------------------------------------
+# search
+# ----------------------------------------------------------------------------
+
+def _queries(queries: Tensor, query_lengths, query_mask, device):
+    if not isinstance(queries, torch.Tensor) or queries.dtype not in _FLOATS:
+        raise TypeError("queries must be a float32 / float16 / bfloat16 tensor")
+    single = queries.dim() == 2
+    if single:
+        queries = queries[None]
+        if query_mask is not None:
+            query_mask = query_mask[None]
+        if query_lengths is not None:
+            query_lengths = torch.as_tensor(query_lengths).reshape(1)
+    if queries.dim() != 3:
+        raise ValueError(f"queries must be [Lq, d] or [Nq, Lq, d], got shape {tuple(queries.shape)}")
+    Nq, Lq, d = queries.shape
+    queries = queries.to(device)
+    q_start = torch.arange(Nq, device=device, dtype=torch.int32) * Lq
+    q_len = torch.full((Nq,), Lq, device=device, dtype=torch.int32)
+    if query_lengths is not None:
+        ql = torch.as_tensor(query_lengths).to(device)
+        if ql.shape != (Nq,) or ql.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"query_lengths must be int [Nq={Nq}]")
+        q_len = torch.where((ql < 0) | (ql > Lq), -1, ql).to(torch.int32)
+    qm = None
+    if query_mask is not None:
+        if query_mask.dtype != torch.bool or tuple(query_mask.shape) != (Nq, Lq):
+            raise ValueError(f"query_mask must be bool [Nq={Nq}, Lq={Lq}]")
+        qm = query_mask.to(device).reshape(-1).contiguous()
+    return single, queries.reshape(Nq * Lq, d).contiguous(), q_start, q_len, qm, Nq, Lq
+
+
+def search(queries: Tensor, corpus, k: int, *, query_lengths: Optional[Tensor] = None,
+           query_mask: Optional[Tensor] = None, block_docs: Optional[int] = None) -> tuple[Tensor, Tensor]:
+    """Exact MaxSim top-k of each query over ``corpus``.
+
+    ``queries``: ``[Lq, d]`` or ``[Nq, Lq, d]`` (float), with optional
+    ``query_lengths [Nq]`` or bool ``query_mask [Nq, Lq]``. ``corpus``: a
+    :class:`Corpus`, or ``(documents, offsets)`` for a packed collection
+    already on the queries' device. Returns ``(scores, ids)``: fp32 and int64
+    ``[Nq, k]`` (``[k]`` for one 2-D query) on the corpus' compute device,
+    best first, ties to the lower document id. With fewer than k documents
+    the tail is (-inf, -1). A document whose score is NaN ranks last.
+    ``block_docs`` caps the documents scored per block (default: about 8M
+    scores per block).
+    """
+    if not isinstance(k, int) or k < 0:
+        raise ValueError(f"k must be a non-negative int, got {k!r}")
+    if isinstance(corpus, tuple):
+        corpus = Corpus(corpus[0], corpus[1], device=queries.device,
+                        storage="cpu" if queries.device.type == "cpu" else "device")
+    if not isinstance(corpus, Corpus):
+        raise TypeError("corpus must be a maxsim.Corpus or a (documents, offsets) tuple")
+    dev = corpus.device
+    single, q, q_start, q_len, qm, Nq, Lq = _queries(queries, query_lengths, query_mask, dev)
+    if q.shape[1] != corpus.dim:
+        raise ValueError(f"embedding dim mismatch: queries have {q.shape[1]}, the corpus {corpus.dim}")
+    quant = corpus.quantization
+    if quant is not None:
+        qv, qs = quantize_tokens(q, quant)
+    else:
+        q = q.to(corpus.dtype)
+    keys = torch.full((Nq, k), _INT64_MIN, dtype=torch.int64, device=dev)
+    per_block = block_docs or max(1, _SCORE_BUDGET // max(1, Nq))
+    if k and Nq:
+        for d0, d1, tok, sc, tmask, starts in corpus.chunks():
+            for b0 in range(0, d1 - d0, per_block):
+                b1 = min(d1 - d0, b0 + per_block)
+                st = starts[b0:b1]
+                ln = corpus.lengths[d0 + b0:d0 + b1]
+                if quant is not None:
+                    scores, _ = ops.forward_quant(qv, qs, q_start, q_len, qm, tok, sc, st, ln, tmask,
+                                                  None, None, CROSS, Lq, 0)
+                else:
+                    scores, _ = ops.forward(q, q_start, q_len, qm, tok, st, ln, tmask, None, None,
+                                            CROSS, Lq, 0, False)
+                ids = torch.arange(d0 + b0, d0 + b1, device=dev, dtype=torch.int64)
+                block = encode_keys(scores.view(Nq, b1 - b0), ids[None, :])
+                kb = min(k, b1 - b0)
+                top = block.topk(kb, dim=1).values
+                keys = merge_topk(torch.cat([keys, top], dim=1), k)
+    scores, ids = decode_keys(keys)
+    if single:
+        return scores[0], ids[0]
+    return scores, ids
