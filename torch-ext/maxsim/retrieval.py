@@ -115,11 +115,15 @@ def quantize_tokens(x: Tensor, kind: str, *, rows_per_block: Optional[int] = Non
 # Corpus
 # ----------------------------------------------------------------------------
 
+_QTYPES = {torch.int8: "int8", torch.float8_e4m3fn: "fp8"}
+
+
 def _as_packed(documents: Tensor, offsets, lengths, mask):
     """(tokens [T, d], starts [N], lengths [N], token mask [T] or None) as
     int64 CPU index tensors; validated (one host sync, at construction)."""
-    if not isinstance(documents, torch.Tensor) or documents.dtype not in _FLOATS:
-        raise TypeError("documents must be a float32 / float16 / bfloat16 tensor")
+    if not isinstance(documents, torch.Tensor) or documents.dtype not in _FLOATS + tuple(_QTYPES):
+        raise TypeError("documents must be a float32 / float16 / bfloat16 tensor (or int8 / float8_e4m3fn "
+                        "with scales)")
     if documents.dim() == 2:
         if offsets is None:
             raise ValueError("packed documents [T, d] need offsets [N+1]")
@@ -162,17 +166,31 @@ class Corpus:
     chunks of about ``chunk_mib`` MiB; for corpora larger than GPU memory) or
     ``"cpu"`` (scored by the CPU kernels). ``quantization``: ``None`` (keep
     the dtype), ``"int8"`` or ``"fp8"`` (see :func:`quantize_tokens`).
+    Already quantised tokens (int8 / float8_e4m3fn, dim a multiple of 16)
+    come with their per-token ``scales [T]`` and are kept as they are.
     Construction validates the layout (host syncs allowed here, not in
     :func:`search`).
     """
 
     def __init__(self, documents: Tensor, offsets=None, *, lengths=None, mask=None, storage: str = "device",
-                 quantization: Optional[str] = None, device=None, chunk_mib: int = 256):
+                 quantization: Optional[str] = None, scales: Optional[Tensor] = None, device=None,
+                 chunk_mib: int = 256):
         if storage not in ("device", "pinned", "cpu"):
             raise ValueError(f"storage must be 'device', 'pinned' or 'cpu', got {storage!r}")
         if quantization not in (None, "int8", "fp8"):
             raise ValueError(f"quantization must be None, 'int8' or 'fp8', got {quantization!r}")
         tokens, starts, lens, tmask = _as_packed(documents, offsets, lengths, mask)
+        prequant = tokens.dtype in _QTYPES
+        if prequant:
+            if scales is None or scales.shape != (tokens.shape[0],):
+                raise ValueError("quantised documents need scales [T] (one per token row)")
+            if tokens.shape[1] % 16:
+                raise ValueError("quantised documents need dim % 16 == 0 (zero-pad, as quantize_tokens does)")
+            if quantization not in (None, _QTYPES[tokens.dtype]):
+                raise ValueError(f"documents are {tokens.dtype}, quantization={quantization!r}")
+            quantization = _QTYPES[tokens.dtype]
+        elif scales is not None:
+            raise ValueError("scales go with int8 / float8_e4m3fn documents")
         if storage == "cpu":
             dev = torch.device("cpu")
         elif device is not None:
@@ -194,8 +212,10 @@ class Corpus:
         self.num_tokens = tokens.shape[0]
         home = torch.device("cpu") if storage != "device" else dev
         # Quantise where the compute is (fast on a GPU), keep it where it is stored.
-        scales = None
-        if quantization is not None:
+        if prequant:
+            scales = scales.to(home, torch.float32).contiguous()
+            tokens = tokens.to(home).contiguous()
+        elif quantization is not None:
             work = dev if dev.type == "cuda" else tokens.device
             vals, scales = [], []
             rows = max(1, (256 << 20) // max(1, 2 * tokens.shape[1]))
@@ -206,13 +226,13 @@ class Corpus:
             tokens = torch.cat(vals) if vals else quantize_tokens(tokens.to(work), quantization)[0].to(home)
             scales = torch.cat(scales) if scales else torch.empty(0, dtype=torch.float32, device=home)
         else:
+            scales = None
             tokens = tokens.to(home).contiguous()
         if tmask is not None:
             tmask = tmask.to(home).contiguous()
         if storage == "pinned":
-            tokens = tokens.pin_memory()
-            scales = None if scales is None else scales.pin_memory()
-            tmask = None if tmask is None else tmask.pin_memory()
+            tokens, scales, tmask = (t if t is None or t.is_pinned() else t.pin_memory()
+                                     for t in (tokens, scales, tmask))
         self.tokens, self.scales, self.token_mask = tokens, scales, tmask
         self.starts = starts.to(torch.int32).to(dev)
         self.lengths = lens.to(torch.int32).to(dev)

@@ -1,0 +1,255 @@
+"""Corpus search benchmark (GPU): maxsim.search (bf16 / int8 / fp8, resident
+and pinned-streamed corpora) side by side with late-interaction-kernels'
+``retrieve`` and flash-maxsim's ``flash_maxsim_topk`` (INT8 coarse scan +
+fp16 re-score), plus top-10 / top-100 agreement of every approximate path
+with the exact bf16 result on random and clustered data. Prints a table and
+writes ``bench_results/<gpu>-search.json``.
+
+    python benchmarks/bench_search.py            # the full matrix
+    python benchmarks/bench_search.py --quick    # small sizes only
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+D = 128
+
+
+def load():
+    import kernels
+
+    return kernels.get_local_kernel(ROOT)
+
+
+def peers():
+    out = {}
+    try:
+        import late_interaction_kernels as lik
+
+        out["lik"] = lik
+    except Exception as e:  # noqa: BLE001
+        print("late-interaction-kernels unavailable:", e)
+    try:
+        import flash_maxsim as fm
+
+        out["flash-maxsim"] = fm
+    except Exception as e:  # noqa: BLE001
+        print("flash-maxsim unavailable:", e)
+    return out
+
+
+def timed(fn, reps=20, warmup=3):
+    """Median ms over reps (CUDA events; the inputs stay resident)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def make_docs(n, ld, kind, gen, out=None, dtype=torch.bfloat16):
+    """[n, ld, D] unit tokens on the GPU, generated in blocks (in place into
+    ``out`` when given). clustered: 512 topics, tokens = topic + noise."""
+    docs = out if out is not None else torch.empty((n, ld, D), dtype=dtype, device="cuda")
+    cent = torch.nn.functional.normalize(torch.randn(512, D, device="cuda", generator=gen), dim=-1)
+    step = max(1, (1 << 27) // (ld * D))
+    for i in range(0, n, step):
+        m = min(step, n - i)
+        x = torch.randn(m, ld, D, device="cuda", generator=gen)
+        if kind == "clustered":
+            topic = torch.randint(0, 512, (m, 1), device="cuda", generator=gen)
+            x = cent[topic].expand(m, ld, D) * 4.0 + x / D ** 0.5 * 4.0
+        docs[i:i + m] = torch.nn.functional.normalize(x, dim=-1).to(docs.dtype)
+    return docs, cent
+
+
+def make_queries(nq, lq, kind, cent, gen):
+    x = torch.randn(nq, lq, D, device="cuda", generator=gen)
+    if kind == "clustered":
+        topic = torch.randint(0, 512, (nq, 1), device="cuda", generator=gen)
+        x = cent[topic].expand(nq, lq, D) * 4.0 + x / D ** 0.5 * 4.0
+    return torch.nn.functional.normalize(x, dim=-1).to(torch.bfloat16)
+
+
+def agreement(ids, ref, k):
+    ids, ref = ids[..., :k].reshape(-1, k).cpu(), ref[..., :k].reshape(-1, k).cpu()
+    hit = [len(set(a.tolist()) & set(b.tolist())) / k for a, b in zip(ids, ref)]
+    return sum(hit) / len(hit)
+
+
+def h2d_bandwidth():
+    x = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
+    y = torch.empty_like(x, device="cuda")
+    ms = timed(lambda: y.copy_(x, non_blocking=True), reps=5, warmup=1)
+    del x, y
+    return (1 << 30) / ms / 1e6  # GB/s
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--skip-stream", action="store_true")
+    args = ap.parse_args()
+    ms_ = load()
+    P = peers()
+    gpu = torch.cuda.get_device_name()
+    rows = []
+
+    def row(**kw):
+        rows.append(kw)
+        extra = " ".join(f"{k}={v}" for k, v in kw.items() if k not in ("workload", "impl", "ms"))
+        print(f"{kw['workload']:>22} {kw['impl']:>14} {kw.get('ms', float('nan')):9.3f} ms  {extra}", flush=True)
+
+    def quant_row(wl, quant, qc, Qs, q1, ref_ids, t_bf):
+        _, ids = ms_.search(Qs, qc, k)
+        t = timed(lambda: ms_.search(q1, qc, k))
+        row(workload=wl, impl=f"maxsim-{quant}", ms=t, vs_bf16=round(t / t_bf, 3),
+            top10=round(agreement(ids, ref_ids, 10), 4), top100=round(agreement(ids, ref_ids, 100), 4))
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    k = 100
+    # (name, Nd, Lq, Ld): search latency for one query; agreement over 32 queries.
+    shapes = [("search-10k", 10_000, 32, 300), ("search-100k", 100_000, 32, 300),
+              ("colpali-10k", 10_000, 1024, 1024)]
+    if not args.quick:
+        shapes += [("colpali-100k", 100_000, 32, 1024), ("search-1m", 1_000_000, 32, 300)]
+    for name, nd, lq, ld in shapes:
+        for data in (("random", "clustered") if nd <= 100_000 and lq == 32 else ("random",)):
+            wl = f"{name}/{data}"
+            torch.cuda.empty_cache()
+            docs, cent = make_docs(nd, ld, data, gen)
+            off = torch.arange(nd + 1, device="cuda", dtype=torch.int64) * ld
+            flat = docs.view(nd * ld, D)
+            Qs = make_queries(32, lq, data, cent, gen)
+            q1 = Qs[0]
+            base = torch.cuda.memory_allocated()
+            corpus = ms_.Corpus(flat, off, device="cuda")
+            ref_s, ref_ids = ms_.search(Qs, corpus, k)  # exact (bf16 inputs, fp32 accumulation)
+            torch.cuda.reset_peak_memory_stats()
+            t = timed(lambda: ms_.search(q1, corpus, k))
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+            row(workload=wl, impl="maxsim", ms=t, peak_mib=round(peak, 1), top10=1.0, top100=1.0)
+            t_bf = t
+            big = nd * ld * D * 2 > 24 * 2**30  # bf16 and a quantised copy do not fit together
+            staged = {}
+            for quant in ("int8", "fp8"):
+                if big:  # quantise to the host now, score once the bf16 corpus is freed
+                    vt = torch.int8 if quant == "int8" else torch.float8_e4m3fn
+                    hv = torch.empty((nd * ld, D), dtype=vt).pin_memory()
+                    hs = torch.empty((nd * ld,), dtype=torch.float32).pin_memory()
+                    step = 1 << 22
+                    for r in range(0, nd * ld, step):
+                        v, sc = ms_.quantize_tokens(flat[r:r + step], quant)
+                        hv[r:r + step].copy_(v)
+                        hs[r:r + step].copy_(sc)
+                    staged[quant] = (hv, hs)
+                    continue
+                qc = ms_.Corpus(flat, off, device="cuda", quantization=quant)
+                quant_row(wl, quant, qc, Qs, q1, ref_ids, t_bf)
+                del qc
+            if "lik" in P and nd * ld <= 100_000 * 1024:
+                lik = P["lik"]
+                try:
+                    f = lambda: lik.retrieve(q1, docs, top_k=k, normalize=False, chunk=16384)
+                    s, ids = lik.retrieve(Qs, docs, top_k=k, normalize=False, chunk=16384)
+                    t = timed(f, reps=10)
+                    row(workload=wl, impl="lik", ms=t, top10=round(agreement(ids, ref_ids, 10), 4),
+                        top100=round(agreement(ids, ref_ids, 100), 4))
+                except Exception as e:  # noqa: BLE001
+                    row(workload=wl, impl="lik", error=str(e)[:120])
+            if "flash-maxsim" in P and nd * ld <= 10_000 * 1024:
+                fm = P["flash-maxsim"]
+                try:
+                    dh = docs.to(torch.float16)
+                    d8, sc, mn = fm.quantize_int8(dh)
+                    qh = Qs.to(torch.float16)
+                    f = lambda: fm.flash_maxsim_topk(qh[0], dh, k, D_int8=d8, scales=sc, mins=mn)
+                    ids = torch.stack([fm.flash_maxsim_topk(qh[i], dh, k, D_int8=d8, scales=sc, mins=mn)[1]
+                                       for i in range(qh.shape[0])])
+                    t = timed(f, reps=10)
+                    row(workload=wl, impl="flash-maxsim", ms=t, top10=round(agreement(ids, ref_ids, 10), 4),
+                        top100=round(agreement(ids, ref_ids, 100), 4))
+                    del dh, d8, sc, mn
+                except Exception as e:  # noqa: BLE001
+                    row(workload=wl, impl="flash-maxsim", error=str(e)[:120])
+            del docs, flat, corpus
+            gc.collect()
+            torch.cuda.empty_cache()
+            for quant, (hv, hs) in staged.items():
+                qc = ms_.Corpus(hv, off.cpu(), scales=hs, device="cuda")
+                quant_row(wl, quant, qc, Qs, q1, ref_ids, t_bf)
+                del qc
+                torch.cuda.empty_cache()
+            del staged, Qs
+
+    if not args.skip_stream and not args.quick:
+        # Pinned-host corpus streamed through a capped GPU allocator: an int8
+        # corpus of 1M docs (38 GB) against 8 GiB of GPU memory.
+        torch.cuda.empty_cache()
+        bw = h2d_bandwidth()
+        nd, ld = 1_000_000, 300
+        host = torch.empty((nd * ld, D), dtype=torch.int8).pin_memory()
+        scales = torch.empty((nd * ld,), dtype=torch.float32).pin_memory()
+        step = 20_000
+        cent = None
+        for i in range(0, nd, step):
+            x, cent = make_docs(step, ld, "random", gen, dtype=torch.float32)
+            v, s = ms_.quantize_tokens(x.view(-1, D), "int8")
+            host[i * ld:(i + step) * ld].copy_(v)
+            scales[i * ld:(i + step) * ld].copy_(s)
+        torch.cuda.synchronize()
+        del x, v, s
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(8 * 2**30 / total)
+        off = torch.arange(nd + 1, dtype=torch.int64) * ld
+        pc = ms_.Corpus(host, off, scales=scales, storage="pinned", chunk_mib=512)
+        q = make_queries(1, 32, "random", cent, gen)
+        ms_.search(q, pc, k)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        reps = 3
+        for _ in range(reps):
+            ms_.search(q, pc, k)
+        torch.cuda.synchronize()
+        t = (time.perf_counter() - t0) / reps * 1e3
+        gb = host.numel() / 1e9
+        row(workload="stream-1m-int8", impl="maxsim-int8-pinned", ms=t, corpus_gb=round(gb, 2),
+            gpu_cap_gib=8, gbps=round(gb / (t / 1e3), 1), h2d_gbps=round(bw, 1),
+            peak_mib=round(torch.cuda.max_memory_allocated() / 2**20, 1))
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=ROOT).stdout.strip()
+    except Exception:  # noqa: BLE001
+        commit = ""
+    meta = {"gpu": gpu, "torch": torch.__version__, "date": datetime.date.today().isoformat(),
+            "commit": commit, "k": k, "dim": D, "timing": "median of CUDA-event times, one query, inputs resident"}
+    out = Path(args.out) if args.out else ROOT / "bench_results" / (gpu.lower().replace(" ", "-") + "-search.json")
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print("wrote", out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
