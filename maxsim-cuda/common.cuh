@@ -44,6 +44,8 @@ struct FwdParams {
   int64_t mt_total;  // M tiles per "u" (doc for CROSS/GROUPED, pair for LIST)
   int S;             // doc splits (each split: a BN-aligned chunk of tokens)
   int kch;           // k chunks (MMA path)
+  int ksteps_last;   // 32-byte k steps holding data in the last k chunk (MMA path)
+  int64_t row_bytes_pad;  // row_bytes rounded up to 32: bytes past it are never read
   int vecb;          // cp.async width in bytes (MMA path): 16, 8 or 4
   int row_mode;      // 0 direct, 1 tile partial sums, 2 per-row partials (see finish_tile)
   // Several docs per CTA (MMA path, S == 1, CROSS / GROUPED only; 1 = one

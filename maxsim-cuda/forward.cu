@@ -362,6 +362,8 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
   }
   p.mt_total = layout == kCross ? ((Nq + p.qpt - 1) / p.qpt) * p.tpq : p.tpq;
   p.kch = kch;
+  p.ksteps_last = (int)((p.row_bytes - (int64_t)(kch - 1) * kMmaKChunkBytes + 31) / 32);
+  p.row_bytes_pad = (p.row_bytes + 31) / 32 * 32;
   p.vecb = vecb;
   const int64_t U = layout == kList ? P : Nd;
   const int64_t items_base = U * p.mt_total;

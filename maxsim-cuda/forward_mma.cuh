@@ -110,6 +110,7 @@ __device__ __forceinline__ void load_doc_tile(const FwdParams& p, uint32_t sdst,
   const int uc = threadIdx.x % UPR;
   const int r0 = threadIdx.x / UPR;
   const int b = kb0 + uc * VB;
+  if (b >= p.row_bytes_pad) return;  // past the last k step: never read
   const bool colok = b < p.row_bytes;
   const char* g = p.d + (tok0 + r0) * p.row_bytes + b;
   const int64_t gstep = (int64_t)RSTEP * p.row_bytes;
@@ -136,6 +137,7 @@ __device__ __forceinline__ void load_query_tile(const FwdParams& p, uint32_t sds
   const int c = (uc * VB) >> 4;
   for (int kc = 0; kc < p.kch; ++kc) {
     const int b = kc * kMmaKChunkBytes + uc * VB;
+    if (b >= p.row_bytes_pad) continue;
     const bool colok = b < p.row_bytes;
     const uint32_t base = sdst + (uint32_t)(kc * BM * kMmaKChunkBytes);
 #pragma unroll 4
@@ -413,10 +415,14 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
           ldsm_x4(bfr[buf][2 * np][0], bfr[buf][2 * np][1], bfr[buf][2 * np + 1][0], bfr[buf][2 * np + 1][1],
                   b_base + (uint32_t)(np * 16 * kMmaKChunkBytes) + (((ks * 2 + b_hi) ^ sw) << 4));
       };
+      // k steps with data in this chunk (a narrow row, e.g. 128 B of int8,
+      // fills only part of the 256 B chunk).
+      const int kst = kc + 1 == p.kch ? p.ksteps_last : KSTEPS;
       load_frags(0, 0);
 #pragma unroll
       for (int ks = 0; ks < KSTEPS; ++ks) {
-        if (ks + 1 < KSTEPS) load_frags((ks + 1) & 1, ks + 1);
+        if (ks >= kst) break;
+        if (ks + 1 < kst) load_frags((ks + 1) & 1, ks + 1);
 #pragma unroll
         for (int i = 0; i < MT; ++i)
 #pragma unroll

@@ -22,6 +22,8 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
       "Tensor? q_mask, Tensor d, Tensor d_scale, Tensor d_start, Tensor d_len, "
       "Tensor? d_mask, Tensor? pair_q, Tensor? pair_d, int layout, int lq, "
       "int argmax_kind) -> (Tensor scores, Tensor argmax)");
+  ops.def("block_topk(Tensor scores, int id0, int k) -> Tensor keys");
+  ops.def("decode_keys(Tensor keys) -> (Tensor scores, Tensor ids)");
   ops.def(
       "backward(Tensor grad, Tensor q, Tensor q_start, Tensor q_len, "
       "Tensor d, Tensor d_start, Tensor d_len, Tensor? pair_q, "
@@ -32,12 +34,16 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.impl("forward", torch::kCPU, &maxsim::forward_cpu);
   ops.impl("forward_train", torch::kCPU, &maxsim::forward_cpu);
   ops.impl("forward_quant", torch::kCPU, &maxsim::forward_quant_cpu);
+  ops.impl("block_topk", torch::kCPU, &maxsim::block_topk_cpu);
+  ops.impl("decode_keys", torch::kCPU, &maxsim::decode_keys_cpu);
   ops.impl("backward", torch::kCPU, &maxsim::backward_cpu);
 #endif
 #if defined(CUDA_KERNEL)
   ops.impl("forward", torch::kCUDA, &maxsim::forward_cuda);
   ops.impl("forward_train", torch::kCUDA, &maxsim::forward_cuda);
   ops.impl("forward_quant", torch::kCUDA, &maxsim::forward_quant_cuda);
+  ops.impl("block_topk", torch::kCUDA, &maxsim::block_topk_cuda);
+  ops.impl("decode_keys", torch::kCUDA, &maxsim::decode_keys_cuda);
   ops.impl("backward", torch::kCUDA, &maxsim::backward_cuda);
 #endif
 #if defined(METAL_KERNEL)

@@ -57,6 +57,14 @@ using ForwardQuantFn = std::tuple<at::Tensor, at::Tensor>(
     const std::optional<at::Tensor>& pair_q, const std::optional<at::Tensor>& pair_d, int64_t layout, int64_t lq,
     int64_t argmax_kind);
 
+// Search helpers (contract in torch-ext/maxsim/retrieval.py): block_topk
+// packs scores [R, n] fp32 with document ids id0 .. id0+n-1 into int64 keys
+// ("higher score, then lower id"; NaN below every number) and returns the
+// top min(k, n) keys per row, sorted descending. decode_keys inverts a key
+// tensor into (scores fp32, ids int64); INT64_MIN is an empty slot (-inf, -1).
+using BlockTopkFn = at::Tensor(const at::Tensor& scores, int64_t id0, int64_t k);
+using DecodeKeysFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor& keys);
+
 // Backward from the saved argmax. grad [P] fp32. Returns (dq [Tq, dim],
 // dd [Td, dim]) in the input dtype, fp32-accumulated, each row written by
 // exactly one owner (deterministic). Rows no pair selects are zero. A gradient
@@ -80,11 +88,15 @@ using BackwardFn = std::tuple<at::Tensor, at::Tensor>(
 #if defined(CPU_KERNEL)
 ForwardFn forward_cpu;
 ForwardQuantFn forward_quant_cpu;
+BlockTopkFn block_topk_cpu;
+DecodeKeysFn decode_keys_cpu;
 BackwardFn backward_cpu;
 #endif
 #if defined(CUDA_KERNEL)
 ForwardFn forward_cuda;
 ForwardQuantFn forward_quant_cuda;
+BlockTopkFn block_topk_cuda;
+DecodeKeysFn decode_keys_cuda;
 BackwardFn backward_cuda;
 #endif
 #if defined(METAL_KERNEL)

@@ -20,6 +20,8 @@ from ._ops import add_op_namespace_prefix, ops
 FORWARD = add_op_namespace_prefix("forward")
 FORWARD_TRAIN = add_op_namespace_prefix("forward_train")
 FORWARD_QUANT = add_op_namespace_prefix("forward_quant")
+BLOCK_TOPK = add_op_namespace_prefix("block_topk")
+DECODE_KEYS = add_op_namespace_prefix("decode_keys")
 BACKWARD = add_op_namespace_prefix("backward")
 
 #: (op name, dispatch key) pairs served by the Python reference.
@@ -53,6 +55,16 @@ def _forward_quant_fake(q, q_scale, q_start, q_len, q_mask, d, d_scale, d_start,
                         pair_q, pair_d, layout, lq, argmax_kind):
     P = num_pairs(q_start, d_start, pair_q, layout)
     return q.new_empty((P,), dtype=torch.float32), _argmax_empty(q, P, lq, argmax_kind)
+
+
+@torch.library.register_fake(BLOCK_TOPK)
+def _block_topk_fake(scores, id0, k):
+    return scores.new_empty((scores.shape[0], min(k, scores.shape[1])), dtype=torch.int64)
+
+
+@torch.library.register_fake(DECODE_KEYS)
+def _decode_keys_fake(keys):
+    return keys.new_empty(keys.shape, dtype=torch.float32), torch.empty_like(keys)
 
 
 @torch.library.register_fake(BACKWARD)
@@ -124,6 +136,22 @@ def _reference_forward_quant(q, q_scale, q_start, q_len, q_mask, d, d_scale, d_s
                                    d_mask, pair_q, pair_d, layout, lq, argmax_kind)
 
 
+def _reference_block_topk(scores, id0, k):
+    _warn_fallback("block_topk", scores.device.type)
+    from . import retrieval
+
+    ids = torch.arange(id0, id0 + scores.shape[1], device=scores.device)
+    keys = retrieval.encode_keys(scores, ids[None, :])
+    return keys.topk(min(k, scores.shape[1]), dim=1).values
+
+
+def _reference_decode_keys(keys):
+    _warn_fallback("decode_keys", keys.device.type)
+    from . import retrieval
+
+    return retrieval.decode_keys(keys)
+
+
 def _reference_backward(grad, q, q_start, q_len, d, d_start, d_len, pair_q, pair_d, argmax,
                         layout, q_ptr, q_pairs, d_ptr, d_pairs, need_dq, need_dd):
     _warn_fallback("backward", q.device.type)
@@ -134,7 +162,8 @@ def _reference_backward(grad, q, q_start, q_len, d, d_start, d_len, pair_q, pair
 def _register_fallbacks() -> None:
     for key in ("CPU", "CUDA", "MPS"):
         for name, impl in ((FORWARD, _reference_forward), (FORWARD_TRAIN, _reference_forward),
-                           (FORWARD_QUANT, _reference_forward_quant), (BACKWARD, _reference_backward)):
+                           (FORWARD_QUANT, _reference_forward_quant), (BLOCK_TOPK, _reference_block_topk),
+                           (DECODE_KEYS, _reference_decode_keys), (BACKWARD, _reference_backward)):
             if not torch._C._dispatch_has_kernel_for_dispatch_key(name, key):
                 torch.library.impl(name, key)(impl)
                 FALLBACKS.add((name.split("::")[1], key))

@@ -6,6 +6,10 @@ autograd-aware: each rank's loss sends gradient to every rank's documents, so
 the backward sums the gathered gradient over ranks and hands each rank the
 slice of its own documents, matching a single-process run on the
 concatenated batch.
+
+``search`` runs :func:`maxsim.search` on each rank's shard of a corpus and
+merges the local top-k lists (one all-gather of ``Nq x k`` int64 keys) into
+the exact global top-k with global document ids (shards in rank order).
 """
 
 from __future__ import annotations
@@ -15,9 +19,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from . import retrieval
+from ._registry import ops
 from .scoring import maxsim
 
-__all__ = ["all_gather_with_grad", "contrastive_scores"]
+__all__ = ["all_gather_with_grad", "contrastive_scores", "search"]
 
 
 def _sizes(n: int, device, group) -> list[int]:
@@ -56,6 +62,39 @@ def all_gather_with_grad(x: torch.Tensor, group=None) -> torch.Tensor:
     return _AllGather.apply(x, group, _sizes(x.shape[0], x.device, group))
 
 
+def _need_group():
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("maxsim.distributed needs an initialised torch.distributed process group")
+
+
+def search(Q: torch.Tensor, local_corpus, k: int, *, group=None, **kwargs):
+    """Exact global top-k over a corpus sharded across ranks.
+
+    Every rank passes the same queries ``Q`` and ``k`` and its own shard
+    (a :class:`maxsim.Corpus` or ``(documents, offsets)``); global document
+    ids number the shards in rank order (rank r's document i is
+    ``sum of earlier shards' sizes + i``). Returns ``(scores, ids)`` as
+    :func:`maxsim.search` does, identical on every rank. ``kwargs`` go to
+    :func:`maxsim.search` (query lengths / mask, block size).
+    """
+    _need_group()
+    if not isinstance(local_corpus, retrieval.Corpus):
+        docs, off = local_corpus
+        local_corpus = retrieval.Corpus(docs, off, device=Q.device,
+                                        storage="cpu" if Q.device.type == "cpu" else "device")
+    scores, ids = retrieval.search(Q, local_corpus, k, **kwargs)
+    single = scores.dim() == 1
+    if single:
+        scores, ids = scores[None], ids[None]
+    sizes = _sizes(len(local_corpus), scores.device, group)
+    offset = sum(sizes[: dist.get_rank(group)])
+    keys = retrieval.encode_keys(scores, torch.where(ids >= 0, ids + offset, -1)).contiguous()
+    parts = [torch.empty_like(keys) for _ in sizes]
+    dist.all_gather(parts, keys, group=group)
+    scores, ids = ops.decode_keys(retrieval.merge_topk(torch.cat(parts, dim=1), k))
+    return (scores[0], ids[0]) if single else (scores, ids)
+
+
 def contrastive_scores(Q: torch.Tensor, D: torch.Tensor, q_mask: Optional[torch.Tensor] = None,
                        d_mask: Optional[torch.Tensor] = None, *, group=None, normalize: bool = False,
                        tf32: bool = False) -> torch.Tensor:
@@ -64,8 +103,7 @@ def contrastive_scores(Q: torch.Tensor, D: torch.Tensor, q_mask: Optional[torch.
     columns in rank order. Masks as in :func:`maxsim.maxsim`. Differentiable
     with respect to ``Q`` and to every rank's ``D``.
     """
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("maxsim.distributed needs an initialised torch.distributed process group")
+    _need_group()
     if D.dim() != 3:
         raise ValueError(f"D must be 3-D [Nd, Ld, d], got shape {tuple(D.shape)}")
     D_all = all_gather_with_grad(D, group)

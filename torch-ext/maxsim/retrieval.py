@@ -24,6 +24,7 @@ import torch
 
 from ._registry import ops
 from .reference import CROSS
+from .scoring import _uniform_segments
 
 Tensor = torch.Tensor
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -339,8 +340,7 @@ def _queries(queries: Tensor, query_lengths, query_mask, device):
         raise ValueError(f"queries must be [Lq, d] or [Nq, Lq, d], got shape {tuple(queries.shape)}")
     Nq, Lq, d = queries.shape
     queries = queries.to(device)
-    q_start = torch.arange(Nq, device=device, dtype=torch.int32) * Lq
-    q_len = torch.full((Nq,), Lq, device=device, dtype=torch.int32)
+    q_start, q_len = _uniform_segments(Nq, Lq, device)
     if query_lengths is not None:
         ql = torch.as_tensor(query_lengths).to(device)
         if ql.shape != (Nq,) or ql.dtype not in (torch.int32, torch.int64):
@@ -384,7 +384,7 @@ def search(queries: Tensor, corpus, k: int, *, query_lengths: Optional[Tensor] =
         qv, qs = quantize_tokens(q, quant)
     else:
         q = q.to(corpus.dtype)
-    keys = torch.full((Nq, k), _INT64_MIN, dtype=torch.int64, device=dev)
+    keys = None
     per_block = block_docs or max(1, _SCORE_BUDGET // max(1, Nq))
     if k and Nq:
         for d0, d1, tok, sc, tmask, starts in corpus.chunks():
@@ -398,12 +398,13 @@ def search(queries: Tensor, corpus, k: int, *, query_lengths: Optional[Tensor] =
                 else:
                     scores, _ = ops.forward(q, q_start, q_len, qm, tok, st, ln, tmask, None, None,
                                             CROSS, Lq, 0, False)
-                ids = torch.arange(d0 + b0, d0 + b1, device=dev, dtype=torch.int64)
-                block = encode_keys(scores.view(Nq, b1 - b0), ids[None, :])
-                kb = min(k, b1 - b0)
-                top = block.topk(kb, dim=1).values
-                keys = merge_topk(torch.cat([keys, top], dim=1), k)
-    scores, ids = decode_keys(keys)
+                top = ops.block_topk(scores.view(Nq, b1 - b0), d0 + b0, k)
+                keys = top if keys is None else merge_topk(torch.cat([keys, top], dim=1), k)
+    if keys is None:
+        keys = torch.empty((Nq, 0), dtype=torch.int64, device=dev)
+    if keys.shape[1] < k:
+        keys = merge_topk(keys, k)
+    scores, ids = ops.decode_keys(keys)
     if single:
         return scores[0], ids[0]
     return scores, ids

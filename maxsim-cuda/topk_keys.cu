@@ -1,0 +1,79 @@
+// Search helpers: (score, document id) packed into int64 keys ordered by
+// "higher score, then lower id" (see torch-ext/maxsim/retrieval.py), so an
+// exact, deterministic top-k is one torch topk over unique keys, and blocks,
+// streams and ranks merge by another topk. One kernel each way instead of a
+// dozen elementwise ops.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "torch_binding.h"
+
+namespace maxsim {
+namespace {
+
+constexpr int64_t kLow = 0xFFFFFFFFll;
+constexpr int32_t kNanOrder = INT32_MIN;
+
+__global__ void encode_keys_kernel(const float* __restrict__ s, int64_t* __restrict__ out, int64_t total, int64_t n,
+                                   int64_t id0) {
+  int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= total) return;
+  float v = s[i] + 0.0f;  // -0 -> +0
+  int32_t bits = __float_as_int(v);
+  int32_t order = bits >= 0 ? bits : (bits ^ 0x7FFFFFFF);
+  if (v != v) order = kNanOrder;
+  int64_t id = id0 + i % n;
+  out[i] = (int64_t)order * (kLow + 1) + (kLow - id);
+}
+
+__global__ void decode_keys_kernel(const int64_t* __restrict__ k, float* __restrict__ s, int64_t* __restrict__ ids,
+                                   int64_t total) {
+  int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= total) return;
+  int64_t key = k[i];
+  if (key == INT64_MIN) {
+    s[i] = __int_as_float(0xff800000);
+    ids[i] = -1;
+    return;
+  }
+  int32_t order = (int32_t)(key >> 32);
+  ids[i] = kLow - (key & kLow);
+  s[i] = order == kNanOrder ? __int_as_float(0x7fc00000) : __int_as_float(order >= 0 ? order : (order ^ 0x7FFFFFFF));
+}
+
+}  // namespace
+
+at::Tensor block_topk_cuda(const at::Tensor& scores, int64_t id0, int64_t k) {
+  TORCH_CHECK(scores.is_cuda() && scores.scalar_type() == at::kFloat && scores.dim() == 2,
+              "maxsim: block_topk takes fp32 [rows, n] CUDA scores");
+  TORCH_CHECK(k >= 0 && id0 >= 0 && id0 + scores.size(1) < kLow, "maxsim: block_topk: bad k / id range");
+  c10::cuda::CUDAGuard guard(scores.device());
+  const at::Tensor s = scores.contiguous();
+  at::Tensor keys = at::empty(s.sizes(), s.options().dtype(at::kLong));
+  const int64_t total = s.numel();
+  if (total > 0) {
+    encode_keys_kernel<<<(unsigned)((total + 255) / 256), 256, 0, at::cuda::getCurrentCUDAStream()>>>(
+        s.data_ptr<float>(), keys.data_ptr<int64_t>(), total, s.size(1), id0);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  const int64_t kk = std::min<int64_t>(k, s.size(1));
+  if (kk == s.size(1)) return std::get<0>(at::sort(keys, 1, /*descending=*/true));
+  return std::get<0>(at::topk(keys, kk, 1, /*largest=*/true, /*sorted=*/true));
+}
+
+std::tuple<at::Tensor, at::Tensor> decode_keys_cuda(const at::Tensor& keys) {
+  TORCH_CHECK(keys.is_cuda() && keys.scalar_type() == at::kLong, "maxsim: decode_keys takes int64 CUDA keys");
+  c10::cuda::CUDAGuard guard(keys.device());
+  const at::Tensor k = keys.contiguous();
+  at::Tensor s = at::empty(k.sizes(), k.options().dtype(at::kFloat));
+  at::Tensor ids = at::empty(k.sizes(), k.options());
+  const int64_t total = k.numel();
+  if (total > 0) {
+    decode_keys_kernel<<<(unsigned)((total + 255) / 256), 256, 0, at::cuda::getCurrentCUDAStream()>>>(
+        k.data_ptr<int64_t>(), s.data_ptr<float>(), ids.data_ptr<int64_t>(), total);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  return {s, ids};
+}
+
+}  // namespace maxsim
