@@ -216,7 +216,7 @@ def test_pinned_streaming_matches_device(ms, kind):
     Q = rand(4, 32, 64, dtype=torch.bfloat16, device="cuda", gen=g)
     dev = ms.Corpus(docs, off, device="cuda", quantization=kind)
     pin = ms.Corpus(docs, off, storage="pinned", quantization=kind, chunk_mib=1)
-    assert len(pin._chunks) > 4
+    assert len(pin._chunks) >= 4
     for _ in range(2):  # buffers reused across calls
         a = ms.search(Q, dev, 50)
         b = ms.search(Q, pin, 50)
