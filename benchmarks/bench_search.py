@@ -157,7 +157,7 @@ def main():
             t_bf = t
             big = nd * ld * D * 2 > 24 * 2**30  # bf16 and a quantised copy do not fit together
             staged = {}
-            for quant in ("int8", "fp8"):
+            for quant in ("int8",) if big else ("int8", "fp8"):  # host RAM holds one staged copy
                 if big:  # quantise to the host now, score once the bf16 corpus is freed
                     vt = torch.int8 if quant == "int8" else torch.float8_e4m3fn
                     hv = torch.empty((nd * ld, D), dtype=vt)
