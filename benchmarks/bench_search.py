@@ -229,6 +229,7 @@ def main():
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(2 * 2**30 / total)
         off = torch.arange(nd + 1, dtype=torch.int64) * ld
+        torch.cuda.reset_peak_memory_stats()
         pc = ms_.Corpus(host, off, scales=scales, storage="pinned", chunk_mib=512)
         q = make_queries(1, 32, "random", cent, gen)
         ms_.search(q, pc, k)

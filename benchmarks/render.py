@@ -143,13 +143,50 @@ def cpu_table(path: Path) -> str:
     return "\n".join(out)
 
 
+def search_table(path: Path) -> str:
+    data = json.loads(path.read_text())
+    m = data["meta"]
+    out = [f"Search, top-{m.get('k', 100)} (**{m['gpu']}**, torch {m['torch']}, {m['date']}, commit "
+           f"`{m['commit'].split()[0]}`; {m['timing']}; agreement = share of the exact bf16 top-k found):", "",
+           "| workload | impl | ms | vs bf16 | top-10 | top-100 |", "|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        if "top10" not in r:
+            continue
+        out.append(f"| {r['workload']} | {r['impl']} | {r['ms']:.3f} | {fmt(r.get('vs_bf16'), 2) if 'vs_bf16' in r else '-'}"
+                   f" | {r['top10']:.4f} | {r['top100']:.4f} |")
+    for r in data["rows"]:
+        if "gbps" in r:
+            out += ["", f"Streaming: {r['workload']} ({r['corpus_gb']} GB in pinned host memory, GPU allocator "
+                        f"capped at {r['gpu_cap_gib']} GiB): {r['ms']:.0f} ms per query, {r['gbps']} GB/s against "
+                        f"{r['h2d_gbps']} GB/s measured host-to-device copy."]
+    return "\n".join(out)
+
+
+def distributed_table(path: Path) -> str:
+    data = json.loads(path.read_text())
+    m = data["meta"]
+    out = [f"Multi-GPU ({m['gpu']}, {m['backend']}, torch {m['torch']}; {m['timing']}):", "",
+           "| workload | GPUs | ms | queries/s |", "|---|---|---|---|"]
+    for r in data["rows"]:
+        out.append(f"| {r['workload']} | {r['world']} | {r['ms']:.2f} | {r['queries_per_s']} |")
+    return "\n".join(out)
+
+
+def _special(name: str) -> bool:
+    return name == "cpu.json" or name.endswith(("-cold-start.json", "-search.json", "-distributed.json"))
+
+
 def render() -> str:
     parts = []
     res = ROOT / "bench_results"
     for p in sorted(res.glob("*.json")):
         if p.name == "cpu.json":
             continue
-        if p.name.endswith("-cold-start.json"):
+        if p.name.endswith("-search.json"):
+            parts.append(search_table(p))
+        elif p.name.endswith("-distributed.json"):
+            parts.append(distributed_table(p))
+        elif p.name.endswith("-cold-start.json"):
             parts.append(cold_table(p))
         else:
             parts += [gpu_tables(p), chart_links(p)]
@@ -170,7 +207,7 @@ def main():
         raise SystemExit(0 if new == text else "README benchmark tables are out of date: run `just bench-render`")
     readme.write_text(new)
     for p in sorted((ROOT / "bench_results").glob("*.json")):
-        if p.name != "cpu.json" and not p.name.endswith("-cold-start.json"):
+        if not _special(p.name):
             print("wrote", *(q.relative_to(ROOT) for q in gpu_charts(p)))
     print("README tables updated")
 
