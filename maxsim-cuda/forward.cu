@@ -324,15 +324,16 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
   }
   if (vecb == 0) use_mma = false;
   TORCH_CHECK(!quant || vecb > 0, "maxsim: quantized token rows must be 4-byte aligned");
-  const int kch = (int)std::max<int64_t>(1, (p.row_bytes + kMmaKChunkBytes - 1) / kMmaKChunkBytes);
+  const int kcb = mma_kchunk(quant);
+  const int kch = (int)std::max<int64_t>(1, (p.row_bytes + kcb - 1) / kcb);
   int cfg = -1;
   size_t smem = 0;
   if (use_mma) {
     cfg = g_forced_cfg >= 0 ? g_forced_cfg % kNumMmaCfgs : choose_mma_cfg(layout, Nq, lq);
     // Fall back to narrower query tiles when the resident tile does not fit.
     while (true) {
-      smem = mma_smem_bytes(cfg, kch);
-      if (smem + mma_static_smem(cfg) <= smem_optin) break;
+      smem = mma_smem_bytes(cfg, kch, quant);
+      if (smem + mma_static_smem(cfg, quant) <= smem_optin) break;
       if (mma_cfg_info(cfg).bm == 128)  // 128-row tiles -> 64 -> 32
         cfg = 1;
       else if (cfg == 1)
@@ -362,7 +363,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
   }
   p.mt_total = layout == kCross ? ((Nq + p.qpt - 1) / p.qpt) * p.tpq : p.tpq;
   p.kch = kch;
-  p.ksteps_last = (int)((p.row_bytes - (int64_t)(kch - 1) * kMmaKChunkBytes + 31) / 32);
+  p.ksteps_last = (int)((p.row_bytes - (int64_t)(kch - 1) * kcb + 31) / 32);
   p.row_bytes_pad = (p.row_bytes + 31) / 32 * 32;
   p.vecb = vecb;
   const int64_t U = layout == kList ? P : Nd;

@@ -26,6 +26,12 @@ namespace maxsim {
 namespace cuda_fwd {
 
 constexpr int kMmaKChunkBytes = 256;
+// 8-bit tokens: 128-B k chunks and twice the stages, so a stage holds the
+// same rows with half the bytes and twice the tiles are in flight (a
+// memory-bound scan is bound by bytes in flight, not by the tile count).
+constexpr int kMmaKChunkBytes8 = 128;
+constexpr int mma_kchunk(bool q8) { return q8 ? kMmaKChunkBytes8 : kMmaKChunkBytes; }
+constexpr int mma_stages(int stages, bool q8) { return q8 ? 2 * stages : stages; }
 constexpr int kMmaMaxDpc = 32;  // docs per CTA, at most (one warp scans them)
 
 template <int BM_, int BN_, int WM_, int WN_, int STAGES_, int MINB_>
@@ -83,26 +89,29 @@ inline MmaCfgInfo mma_cfg_info(int cfg) {
 }
 
 // Dynamic shared memory: resident query tile + the doc stage ring.
-inline size_t mma_smem_bytes(int cfg, int kch) {
+inline size_t mma_smem_bytes(int cfg, int kch, bool q8) {
   MmaCfgInfo c = mma_cfg_info(cfg);
-  return (size_t)c.bm * kch * kMmaKChunkBytes + (size_t)c.stages * c.bn * kMmaKChunkBytes;
+  const size_t kcb = mma_kchunk(q8);
+  return (size_t)c.bm * kch * kcb + (size_t)mma_stages(c.stages, q8) * c.bn * kcb;
 }
 // Upper bound of the kernel's static shared memory.
-inline size_t mma_static_smem(int cfg) {
+inline size_t mma_static_smem(int cfg, bool q8) {
   MmaCfgInfo c = mma_cfg_info(cfg);
-  return (size_t)c.bm * 9 + (size_t)2 * c.wn * c.bm * 4 + (size_t)c.stages * c.bn + (size_t)kMmaMaxDpc * 21 + 256;
+  return (size_t)c.bm * 13 + (size_t)2 * c.wn * c.bm * 4 + (size_t)mma_stages(c.stages, q8) * c.bn +
+         (size_t)kMmaMaxDpc * 21 + 256;
 }
-// Byte offset of 16-byte chunk c of row r in a [rows x 256 B] tile.
+// Byte offset of 16-byte chunk c of row r in a [rows x KCB] tile.
+template <int KCB>
 __device__ __forceinline__ uint32_t swz(int r, int c) {
-  return (uint32_t)(r * kMmaKChunkBytes + ((c ^ (r & 7)) << 4));
+  return (uint32_t)(r * KCB + ((c ^ (r & 7)) << 4));
 }
 
 // Loads one [BN x 256 B] doc tile (rows tok0 .. tok0+nvalid-1, bytes
 // kb0 .. kb0+255 of each row); everything else zero-filled.
-template <int VB, int BN, int NTH>
+template <int KCB, int VB, int BN, int NTH>
 __device__ __forceinline__ void load_doc_tile(const FwdParams& p, uint32_t sdst, int64_t tok0, int nvalid,
                                               int kb0) {
-  constexpr int UPR = kMmaKChunkBytes / VB;  // units per row
+  constexpr int UPR = KCB / VB;  // units per row
   static_assert(NTH % UPR == 0, "threads must cover whole rows");
   constexpr int RSTEP = NTH / UPR;
   constexpr int ITERS = BN / RSTEP;
@@ -120,15 +129,15 @@ __device__ __forceinline__ void load_doc_tile(const FwdParams& p, uint32_t sdst,
   for (int it = 0; it < ITERS; ++it) {
     int r = r0 + it * RSTEP;
     bool ok = colok && r < nvalid;
-    cp_async<VB>(sdst + swz(r, c) + inner, ok ? (const void*)g : (const void*)p.d, ok);
+    cp_async<VB>(sdst + swz<KCB>(r, c) + inner, ok ? (const void*)g : (const void*)p.d, ok);
     g += gstep;
   }
 }
 
 // Loads the resident query tile [kch][BM][256 B].
-template <int VB, int BM, int NTH>
+template <int KCB, int VB, int BM, int NTH>
 __device__ __forceinline__ void load_query_tile(const FwdParams& p, uint32_t sdst, const long long* row_src) {
-  constexpr int UPR = kMmaKChunkBytes / VB;
+  constexpr int UPR = KCB / VB;
   static_assert(NTH % UPR == 0, "threads must cover whole rows");
   constexpr int RSTEP = NTH / UPR;
   const int uc = threadIdx.x % UPR;
@@ -136,27 +145,29 @@ __device__ __forceinline__ void load_query_tile(const FwdParams& p, uint32_t sds
   const uint32_t inner = (uint32_t)((uc * VB) & 15);
   const int c = (uc * VB) >> 4;
   for (int kc = 0; kc < p.kch; ++kc) {
-    const int b = kc * kMmaKChunkBytes + uc * VB;
+    const int b = kc * KCB + uc * VB;
     if (b >= p.row_bytes_pad) continue;
     const bool colok = b < p.row_bytes;
-    const uint32_t base = sdst + (uint32_t)(kc * BM * kMmaKChunkBytes);
+    const uint32_t base = sdst + (uint32_t)(kc * BM * KCB);
 #pragma unroll 4
     for (int r = r0; r < BM; r += RSTEP) {
       long long src = row_src[r];
       bool ok = colok && src >= 0;
       const char* g = ok ? p.q + src * p.row_bytes + b : p.q;
-      cp_async<VB>(base + swz(r, c) + inner, g, ok);
+      cp_async<VB>(base + swz<KCB>(r, c) + inner, g, ok);
     }
   }
 }
 
 template <typename T, class C, bool ARG>
 __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, int64_t item0) {
-  constexpr int BM = C::BM, BN = C::BN, WM = C::WM, WN = C::WN, STAGES = C::STAGES, NTH = C::NTH;
+  constexpr bool QUANT = kIsQuant<T>;
+  constexpr int KCB = mma_kchunk(QUANT);
+  constexpr int BM = C::BM, BN = C::BN, WM = C::WM, WN = C::WN, NTH = C::NTH;
+  constexpr int STAGES = mma_stages(C::STAGES, QUANT);
   constexpr int WTM = BM / WM, WTN = BN / WN;
   constexpr int MT = WTM / 16, NT = WTN / 8;
-  constexpr int KSTEPS = kMmaKChunkBytes / 32;
-  constexpr bool QUANT = kIsQuant<T>;
+  constexpr int KSTEPS = KCB / 32;
   static_assert(WTM % 16 == 0 && WTN % 16 == 0, "warp tile");
   static_assert(BN <= NTH, "one mask byte per thread");
   static_assert(STAGES >= 3, "mask prefetch needs >= 3 stages");
@@ -233,8 +244,8 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
   __syncthreads();
 
   const uint32_t q_s = smem_u32(smem);
-  const uint32_t d_s = q_s + (uint32_t)(BM * p.kch * kMmaKChunkBytes);
-  constexpr uint32_t STAGE_BYTES = BN * kMmaKChunkBytes;
+  const uint32_t d_s = q_s + (uint32_t)(BM * p.kch * KCB);
+  constexpr uint32_t STAGE_BYTES = BN * KCB;
 
   const int total = doc_tend[nd - 1] * p.kch;
   const bool has_mask = p.d_mask != nullptr;
@@ -332,13 +343,13 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
       uint32_t dst = d_s + (uint32_t)((it % STAGES) * STAGE_BYTES);
       int64_t tok0 = doc_tb[idoc] + (int64_t)j * BN;
       int nvalid = min(BN, doc_c1[idoc] - doc_c0[idoc] - j * BN);
-      int kb0 = kc * kMmaKChunkBytes;
+      int kb0 = kc * KCB;
       if (p.vecb == 16)
-        load_doc_tile<16, BN, NTH>(p, dst, tok0, nvalid, kb0);
+        load_doc_tile<KCB, 16, BN, NTH>(p, dst, tok0, nvalid, kb0);
       else if (p.vecb == 8)
-        load_doc_tile<8, BN, NTH>(p, dst, tok0, nvalid, kb0);
+        load_doc_tile<KCB, 8, BN, NTH>(p, dst, tok0, nvalid, kb0);
       else
-        load_doc_tile<4, BN, NTH>(p, dst, tok0, nvalid, kb0);
+        load_doc_tile<KCB, 4, BN, NTH>(p, dst, tok0, nvalid, kb0);
       if (has_mask && kc == 0 && tid < BN) {
         unsigned char m = (tid < nvalid && p.d_mask[tok0 + tid]) ? 1 : 0;
         if (defer_mask) {
@@ -351,11 +362,11 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
     };
 
     if (p.vecb == 16)
-      load_query_tile<16, BM, NTH>(p, q_s, row_src);
+      load_query_tile<KCB, 16, BM, NTH>(p, q_s, row_src);
     else if (p.vecb == 8)
-      load_query_tile<8, BM, NTH>(p, q_s, row_src);
+      load_query_tile<KCB, 8, BM, NTH>(p, q_s, row_src);
     else
-      load_query_tile<4, BM, NTH>(p, q_s, row_src);
+      load_query_tile<KCB, 4, BM, NTH>(p, q_s, row_src);
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) {
       if (st < total) issue(st, false);
@@ -372,9 +383,9 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
 
     // Per-lane ldmatrix offsets (row & 7 == lane & 7 for both operands).
     const int sw = lane & 7;
-    const uint32_t a_row = (uint32_t)((wm * WTM + (lane & 15)) * kMmaKChunkBytes);
+    const uint32_t a_row = (uint32_t)((wm * WTM + (lane & 15)) * KCB);
     const int a_hi = lane >> 4;
-    const uint32_t b_row = (uint32_t)((wn * WTN + (lane & 7) + ((lane >> 4) << 3)) * kMmaKChunkBytes);
+    const uint32_t b_row = (uint32_t)((wn * WTN + (lane & 7) + ((lane >> 4) << 3)) * KCB);
     const int b_hi = (lane >> 3) & 1;
 
     int jg = 0, cbase = 0, kc = 0, slot = 0;  // global tile, first global tile of cdoc
@@ -401,7 +412,7 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
             cs[jn][e] = col < c1 ? __ldg(sc + col) : 0.f;
           }
       }
-      const uint32_t a_base = q_s + (uint32_t)(kc * BM * kMmaKChunkBytes) + a_row;
+      const uint32_t a_base = q_s + (uint32_t)(kc * BM * KCB) + a_row;
       const uint32_t b_base = d_s + (uint32_t)(slot * STAGE_BYTES) + b_row;
       // Fragments double-buffered in registers across the k steps.
       uint32_t af[2][MT][4], bfr[2][NT][2];
@@ -409,11 +420,11 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
 #pragma unroll
         for (int i = 0; i < MT; ++i)
           ldsm_x4(af[buf][i][0], af[buf][i][1], af[buf][i][2], af[buf][i][3],
-                  a_base + (uint32_t)(i * 16 * kMmaKChunkBytes) + (((ks * 2 + a_hi) ^ sw) << 4));
+                  a_base + (uint32_t)(i * 16 * KCB) + (((ks * 2 + a_hi) ^ sw) << 4));
 #pragma unroll
         for (int np = 0; np < NT / 2; ++np)
           ldsm_x4(bfr[buf][2 * np][0], bfr[buf][2 * np][1], bfr[buf][2 * np + 1][0], bfr[buf][2 * np + 1][1],
-                  b_base + (uint32_t)(np * 16 * kMmaKChunkBytes) + (((ks * 2 + b_hi) ^ sw) << 4));
+                  b_base + (uint32_t)(np * 16 * KCB) + (((ks * 2 + b_hi) ^ sw) << 4));
       };
       // k steps with data in this chunk (a narrow row, e.g. 128 B of int8,
       // fills only part of the 256 B chunk).
