@@ -403,6 +403,8 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
       dpc = g_forced_dpc;
     else if (items_base >= 2 * slots && items_base <= 12 * slots)
       dpc = (items_base + slots - 1) / slots;
+    else if (quant && items_base > 12 * slots)
+      dpc = 8;  // 8-bit docs are half the bytes: amortise the per-CTA fill / drain over 8 docs
     dpc = std::min<int64_t>(dpc, kMmaMaxDpc);
     if (dpc > 1) {
       const int64_t gsz = layout == kCross ? Nd : p.K;
