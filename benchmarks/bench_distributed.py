@@ -11,29 +11,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_search import timed as event_median  # noqa: E402
 
 
 def timed(fn, reps=20, warmup=3):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
+    """Median CUDA-event ms on this rank, then the max over ranks (a step is
+    as slow as its slowest rank)."""
     dist.barrier()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    t = torch.tensor([sorted(ts)[len(ts) // 2]], device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
+    t = torch.tensor([event_median(fn, reps=reps, warmup=warmup)], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
 
 
