@@ -78,10 +78,7 @@ def search(Q: torch.Tensor, local_corpus, k: int, *, group=None, **kwargs):
     :func:`maxsim.search` (query lengths / mask, block size).
     """
     _need_group()
-    if not isinstance(local_corpus, retrieval.Corpus):
-        docs, off = local_corpus
-        local_corpus = retrieval.Corpus(docs, off, device=Q.device,
-                                        storage="cpu" if Q.device.type == "cpu" else "device")
+    local_corpus = retrieval.as_corpus(local_corpus, Q.device)
     scores, ids = retrieval.search(Q, local_corpus, k, **kwargs)
     single = scores.dim() == 1
     if single:

@@ -24,7 +24,7 @@ import torch
 
 from ._registry import ops
 from .reference import CROSS
-from .scoring import _uniform_segments
+from .scoring import _padded_segments
 
 Tensor = torch.Tensor
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -340,18 +340,28 @@ def _queries(queries: Tensor, query_lengths, query_mask, device):
         raise ValueError(f"queries must be [Lq, d] or [Nq, Lq, d], got shape {tuple(queries.shape)}")
     Nq, Lq, d = queries.shape
     queries = queries.to(device)
-    q_start, q_len = _uniform_segments(Nq, Lq, device)
+    ql = None
     if query_lengths is not None:
         ql = torch.as_tensor(query_lengths).to(device)
         if ql.shape != (Nq,) or ql.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"query_lengths must be int [Nq={Nq}]")
-        q_len = torch.where((ql < 0) | (ql > Lq), -1, ql).to(torch.int32)
+    q_start, q_len = _padded_segments(Nq, Lq, ql, device)
     qm = None
     if query_mask is not None:
         if query_mask.dtype != torch.bool or tuple(query_mask.shape) != (Nq, Lq):
             raise ValueError(f"query_mask must be bool [Nq={Nq}, Lq={Lq}]")
         qm = query_mask.to(device).reshape(-1).contiguous()
     return single, queries.reshape(Nq * Lq, d).contiguous(), q_start, q_len, qm, Nq, Lq
+
+
+def as_corpus(corpus, device) -> Corpus:
+    """``corpus`` itself, or a :class:`Corpus` of a ``(documents, offsets)``
+    tuple on ``device`` (CPU kernels for a CPU device)."""
+    if isinstance(corpus, tuple):
+        return Corpus(corpus[0], corpus[1], device=device, storage="cpu" if device.type == "cpu" else "device")
+    if not isinstance(corpus, Corpus):
+        raise TypeError("corpus must be a maxsim.Corpus or a (documents, offsets) tuple")
+    return corpus
 
 
 def search(queries: Tensor, corpus, k: int, *, query_lengths: Optional[Tensor] = None,
@@ -370,11 +380,7 @@ def search(queries: Tensor, corpus, k: int, *, query_lengths: Optional[Tensor] =
     """
     if not isinstance(k, int) or k < 0:
         raise ValueError(f"k must be a non-negative int, got {k!r}")
-    if isinstance(corpus, tuple):
-        corpus = Corpus(corpus[0], corpus[1], device=queries.device,
-                        storage="cpu" if queries.device.type == "cpu" else "device")
-    if not isinstance(corpus, Corpus):
-        raise TypeError("corpus must be a maxsim.Corpus or a (documents, offsets) tuple")
+    corpus = as_corpus(corpus, queries.device)
     dev = corpus.device
     single, q, q_start, q_len, qm, Nq, Lq = _queries(queries, query_lengths, query_mask, dev)
     if q.shape[1] != corpus.dim:
