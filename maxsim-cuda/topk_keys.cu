@@ -6,39 +6,22 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include "search_keys.h"
 #include "torch_binding.h"
 
 namespace maxsim {
 namespace {
 
-constexpr int64_t kLow = 0xFFFFFFFFll;
-constexpr int32_t kNanOrder = INT32_MIN;
-
 __global__ void encode_keys_kernel(const float* __restrict__ s, int64_t* __restrict__ out, int64_t total, int64_t n,
                                    int64_t id0) {
   int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= total) return;
-  float v = s[i] + 0.0f;  // -0 -> +0
-  int32_t bits = __float_as_int(v);
-  int32_t order = bits >= 0 ? bits : (bits ^ 0x7FFFFFFF);
-  if (v != v) order = kNanOrder;
-  int64_t id = id0 + i % n;
-  out[i] = (int64_t)order * (kLow + 1) + (kLow - id);
+  if (i < total) out[i] = search_keys::encode(s[i], id0 + i % n);
 }
 
 __global__ void decode_keys_kernel(const int64_t* __restrict__ k, float* __restrict__ s, int64_t* __restrict__ ids,
                                    int64_t total) {
   int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= total) return;
-  int64_t key = k[i];
-  if (key == INT64_MIN) {
-    s[i] = __int_as_float(0xff800000);
-    ids[i] = -1;
-    return;
-  }
-  int32_t order = (int32_t)(key >> 32);
-  ids[i] = kLow - (key & kLow);
-  s[i] = order == kNanOrder ? __int_as_float(0x7fc00000) : __int_as_float(order >= 0 ? order : (order ^ 0x7FFFFFFF));
+  if (i < total) search_keys::decode(k[i], s[i], ids[i]);
 }
 
 }  // namespace
@@ -46,7 +29,7 @@ __global__ void decode_keys_kernel(const int64_t* __restrict__ k, float* __restr
 at::Tensor block_topk_cuda(const at::Tensor& scores, int64_t id0, int64_t k) {
   TORCH_CHECK(scores.is_cuda() && scores.scalar_type() == at::kFloat && scores.dim() == 2,
               "maxsim: block_topk takes fp32 [rows, n] CUDA scores");
-  TORCH_CHECK(k >= 0 && id0 >= 0 && id0 + scores.size(1) < kLow, "maxsim: block_topk: bad k / id range");
+  TORCH_CHECK(k >= 0 && id0 >= 0 && id0 + scores.size(1) < search_keys::kLow, "maxsim: block_topk: bad k / id range");
   c10::cuda::CUDAGuard guard(scores.device());
   const at::Tensor s = scores.contiguous();
   at::Tensor keys = at::empty(s.sizes(), s.options().dtype(at::kLong));

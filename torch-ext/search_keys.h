@@ -1,0 +1,49 @@
+// (score, document id) <-> int64 search key, one definition for the CPU and
+// CUDA search helpers (contract in torch-ext/maxsim/retrieval.py): keys order
+// as "higher score, then lower id"; NaN ranks below every number; INT64_MIN
+// is an empty slot (-inf, -1).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define MAXSIM_HD __host__ __device__
+#else
+#define MAXSIM_HD
+#endif
+
+namespace maxsim {
+namespace search_keys {
+
+constexpr int64_t kLow = 0xFFFFFFFFll;
+constexpr int32_t kNanOrder = INT32_MIN;
+
+MAXSIM_HD inline float from_bits(int32_t b) {
+  float v;
+  memcpy(&v, &b, 4);
+  return v;
+}
+
+MAXSIM_HD inline int64_t encode(float v, int64_t id) {
+  v += 0.0f;  // -0 -> +0: equal scores get equal keys
+  int32_t bits;
+  memcpy(&bits, &v, 4);
+  int32_t order = bits >= 0 ? bits : (bits ^ 0x7FFFFFFF);
+  if (v != v) order = kNanOrder;
+  return (int64_t)order * (kLow + 1) + (kLow - id);
+}
+
+MAXSIM_HD inline void decode(int64_t key, float& score, int64_t& id) {
+  if (key == INT64_MIN) {
+    score = from_bits((int32_t)0xff800000);
+    id = -1;
+    return;
+  }
+  const int32_t order = (int32_t)(key >> 32);
+  id = kLow - (key & kLow);
+  score = order == kNanOrder ? from_bits(0x7fc00000) : from_bits(order >= 0 ? order : (order ^ 0x7FFFFFFF));
+}
+
+}  // namespace search_keys
+}  // namespace maxsim
