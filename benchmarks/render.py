@@ -48,14 +48,17 @@ def gpu_tables(path: Path) -> str:
     out = [f"**{m['gpu']}**, torch {m['torch']}, {m['date']}, commit `{m.get('commit', '')}`; measured "
            f"copy bandwidth {m['copy_tb_s']:.2f} TB/s, bf16 matmul {m['matmul_tflop_s']:.0f} TFLOP/s. bf16, d = 128.",
            "", "Forward, ms (median of `triton.testing.do_bench`, L2 flushed before each call, Python "
-           "overhead included) / device time from a CUDA graph of 20 calls:", "",
-           "| workload | goal | floor | " + " | ".join(IMPLS) + " |",
-           "|---|---|---|" + "---|" * len(IMPLS)]
+           "overhead included) / device time from a CUDA graph of 20 calls. floor = max(bytes / copy "
+           "bandwidth, FLOPs / matmul rate); copy = a device copy of the same bytes timed the same two ways "
+           "(the byte floor as this harness measures it):", "",
+           "| workload | goal | floor | copy | " + " | ".join(IMPLS) + " |",
+           "|---|---|---|---|" + "---|" * len(IMPLS)]
     fwd = [w for w in dict.fromkeys(r["workload"] for r in rows) if (w, "maxsim") in by and "ms" in by[(w, "maxsim")]]
     for w in fwd:
         cells = _cells(by, w, "ms", "graph_ms")
-        fl = by[(w, "maxsim")].get("floor_ms")
-        out.append(f"| {w} | {fmt(GOALS.get(w))} | {fmt(fl)} | " + " | ".join(cells) + " |")
+        r = by[(w, "maxsim")]
+        cp = f"{fmt(r['copy_ms'])} / {fmt(r.get('copy_graph_ms'))}" if r.get("copy_ms") is not None else "-"
+        out.append(f"| {w} | {fmt(GOALS.get(w))} | {fmt(r.get('floor_ms'))} | {cp} | " + " | ".join(cells) + " |")
     train = [w for w in dict.fromkeys(r["workload"] for r in rows) if "fwd_bwd_ms" in by.get((w, "maxsim"), {})]
     if train:
         out += ["", "Training (forward + `scores.backward(g)`), ms eager / device time from a CUDA graph; "
