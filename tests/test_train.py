@@ -122,6 +122,25 @@ def test_only_needed_grads(ms, device):
     assert Q.grad is not None and D.grad is None
 
 
+@pytest.mark.parametrize("with_qmask", [False, True])
+@pytest.mark.parametrize("which", ["q", "d"])
+def test_one_sided_grads(ms, device, which, with_qmask):
+    """Only the requested gradient is computed, and it is right, whatever
+    optional inputs precede it in the op's signature."""
+    gen = torch.Generator().manual_seed(11)
+    Q = rand(3, 9, 24, gen=gen).to(device).requires_grad_(which == "q")
+    D = rand(4, 13, 24, gen=gen).to(device).requires_grad_(which == "d")
+    qm = (torch.rand(3, 9, generator=gen) > 0.3).to(device) if with_qmask else None
+    dm = (torch.rand(4, 13, generator=gen) > 0.3).to(device)
+    g = torch.randn(3, 4, generator=gen)
+    (ms.maxsim(Q, D, qm, dm) * g.to(device)).sum().backward()
+    _, gq, gd = _ref_grads(ms, Q, D, qm, dm, g)
+    if which == "q":
+        assert D.grad is None and relerr(Q.grad, gq) <= GRAD_TOL[torch.float32]
+    else:
+        assert Q.grad is None and relerr(D.grad, gd) <= GRAD_TOL[torch.float32]
+
+
 def test_backward_is_deterministic(ms, device, dtype):
     gen = torch.Generator().manual_seed(9)
     Q = rand(8, 32, 64, dtype=dtype, device=device, gen=gen).requires_grad_()

@@ -1,8 +1,9 @@
-"""Fake kernels, autograd and reference fallbacks for the compiled op set.
+"""Fake kernels and reference fallbacks for the compiled op set.
 
-The schemas live in ``torch_binding.cpp``; this module makes them usable
-under ``torch.compile(fullgraph=True)`` (fake kernels), differentiable
-(``torch.library.register_autograd``) and complete on every device (a device
+The schemas live in ``torch_binding.cpp`` and the autograd of
+``forward_train`` in ``autograd.cpp``; this module makes them usable under
+``torch.compile(fullgraph=True)`` (fake kernels) and complete on every
+device (a device
 whose build lacks an op gets the pure-PyTorch reference for it, recorded in
 ``FALLBACKS`` so tests can insist there is none). ``forward`` and
 ``forward_train`` share one kernel; only the latter carries autograd.
@@ -75,46 +76,6 @@ def _backward_fake(grad, q, q_start, q_len, d, d_start, d_len, pair_q, pair_d, a
     return dq, dd
 
 
-def _csr(ids: torch.Tensor, n: int):
-    """Stable grouping of pair indices by id: (ptr [n+1], pairs [P]), no host sync."""
-    ids = ids.to(torch.int64)
-    order = torch.sort(ids, stable=True).indices
-    ptr = torch.searchsorted(ids[order], torch.arange(n + 1, device=ids.device))
-    return ptr.to(torch.int32), order.to(torch.int32)
-
-
-def _setup_context(ctx, inputs, output):
-    (q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d,
-     layout, lq, argmax_kind, tf32) = inputs
-    _, argmax = output
-    ctx.layout = layout
-    ctx.has_argmax = argmax_kind != 0
-    ctx.save_for_backward(q, q_start, q_len, d, d_start, d_len, pair_q, pair_d, argmax)
-
-
-def _backward(ctx, grad_scores, grad_argmax):
-    q, q_start, q_len, d, d_start, d_len, pair_q, pair_d, argmax = ctx.saved_tensors
-    if not ctx.has_argmax:
-        raise RuntimeError(
-            "maxsim: this call was made without keeping the argmax needed for "
-            "gradients; use the *_train variant or maxsim()"
-        )
-    need_dq, need_dd = ctx.needs_input_grad[0], ctx.needs_input_grad[4]
-    q_ptr = q_pairs = d_ptr = d_pairs = None
-    if ctx.layout == reference.LIST:
-        if need_dq:
-            q_ptr, q_pairs = _csr(pair_q, q_start.shape[0])
-        if need_dd:
-            d_ptr, d_pairs = _csr(pair_d, d_start.shape[0])
-    dq, dd = ops.backward(
-        grad_scores.contiguous().to(torch.float32), q, q_start, q_len, d, d_start, d_len,
-        pair_q, pair_d, argmax, ctx.layout, q_ptr, q_pairs, d_ptr, d_pairs, need_dq, need_dd,
-    )
-    return (dq if need_dq else None, None, None, None, dd if need_dd else None,
-            None, None, None, None, None, None, None, None, None)
-
-
-torch.library.register_autograd(FORWARD_TRAIN, _backward, setup_context=_setup_context)
 
 
 def _warn_fallback(op: str, key: str) -> None:

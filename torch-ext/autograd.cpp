@@ -1,0 +1,133 @@
+// Autograd for forward_train, in C++ for every backend: the forward saves
+// the winning document-token index per (pair, query row) and nothing else;
+// the backward calls the backward op (dq by gather, dd by a destination-owned
+// reduction) for the inputs that need a gradient.
+//
+// Why C++ and not torch.library.register_autograd: the Python wrapper cost
+// ~140 us per forward (schema default filling) and a GIL round trip on the
+// autograd thread per backward, more than the kernels of a typical
+// contrastive step take on a GPU. Both halves only call dispatcher ops, so
+// torch.compile and CUDA-graph capture trace through them.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include "registration.h"
+
+namespace maxsim {
+namespace {
+
+#define MAXSIM_STR_(x) #x
+#define MAXSIM_STR(x) MAXSIM_STR_(x)
+constexpr const char* kNs = MAXSIM_STR(TORCH_EXTENSION_NAME);
+
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+constexpr int64_t kList = 2;  // layout codes as in torch_binding.h
+
+OptTensor opt(const Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
+
+std::tuple<Tensor, Tensor> call_forward_train(const Tensor& q, const Tensor& q_start, const Tensor& q_len,
+                                              const OptTensor& q_mask, const Tensor& d, const Tensor& d_start,
+                                              const Tensor& d_len, const OptTensor& d_mask, const OptTensor& pair_q,
+                                              const OptTensor& pair_d, int64_t layout, int64_t lq,
+                                              int64_t argmax_kind, bool tf32) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow((std::string(kNs) + "::forward_train").c_str(), "")
+                       .typed<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
+                                                         const OptTensor&, const Tensor&, const Tensor&,
+                                                         const Tensor&, const OptTensor&, const OptTensor&,
+                                                         const OptTensor&, int64_t, int64_t, int64_t, bool)>();
+  return op.call(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d, layout, lq, argmax_kind,
+                 tf32);
+}
+
+std::tuple<Tensor, Tensor> call_backward(const Tensor& grad, const Tensor& q, const Tensor& q_start,
+                                         const Tensor& q_len, const Tensor& d, const Tensor& d_start,
+                                         const Tensor& d_len, const OptTensor& pair_q, const OptTensor& pair_d,
+                                         const Tensor& argmax, int64_t layout, const OptTensor& q_ptr,
+                                         const OptTensor& q_pairs, const OptTensor& d_ptr,
+                                         const OptTensor& d_pairs, bool need_dq, bool need_dd) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow((std::string(kNs) + "::backward").c_str(), "")
+                       .typed<std::tuple<Tensor, Tensor>(
+                           const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                           const Tensor&, const OptTensor&, const OptTensor&, const Tensor&, int64_t,
+                           const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&, bool, bool)>();
+  return op.call(grad, q, q_start, q_len, d, d_start, d_len, pair_q, pair_d, argmax, layout, q_ptr, q_pairs, d_ptr,
+                 d_pairs, need_dq, need_dd);
+}
+
+// Stable grouping of pair indices by id: (ptr [n+1], pairs [P]); ids outside
+// [0, n) fall outside every group. No host synchronisation.
+std::pair<Tensor, Tensor> csr(const Tensor& ids, int64_t n) {
+  const Tensor ids64 = ids.to(at::kLong);
+  const Tensor order = std::get<1>(at::sort(ids64, /*stable=*/true, /*dim=*/0, /*descending=*/false));
+  const Tensor ptr = at::searchsorted(ids64.index_select(0, order), at::arange(n + 1, ids64.options()));
+  return {ptr.to(at::kInt), order.to(at::kInt)};
+}
+
+struct ForwardTrain : public torch::autograd::Function<ForwardTrain> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const Tensor& q,
+                                                const Tensor& q_start, const Tensor& q_len, const OptTensor& q_mask,
+                                                const Tensor& d, const Tensor& d_start, const Tensor& d_len,
+                                                const OptTensor& d_mask, const OptTensor& pair_q,
+                                                const OptTensor& pair_d, int64_t layout, int64_t lq,
+                                                int64_t argmax_kind, bool tf32) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [scores, argmax] = call_forward_train(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d,
+                                               layout, lq, argmax_kind, tf32);
+    ctx->saved_data["layout"] = layout;
+    ctx->saved_data["has_argmax"] = argmax_kind != 0;
+    // needs_input_grad counts tensor inputs only: d follows q, q_start,
+    // q_len and q_mask when one was given.
+    ctx->saved_data["d_edge"] = (int64_t)(q_mask.has_value() && q_mask->defined() ? 4 : 3);
+    ctx->save_for_backward(
+        {q, q_start, q_len, d, d_start, d_len, pair_q.value_or(Tensor()), pair_d.value_or(Tensor()), argmax});
+    ctx->mark_non_differentiable({argmax});
+    return {scores, argmax};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    TORCH_CHECK(ctx->saved_data["has_argmax"].toBool(),
+                "maxsim: this call was made without keeping the argmax needed for gradients; use the *_train "
+                "variant or maxsim()");
+    const auto s = ctx->get_saved_variables();
+    const Tensor &q = s[0], &q_start = s[1], &q_len = s[2], &d = s[3], &d_start = s[4], &d_len = s[5];
+    const Tensor &pair_q = s[6], &pair_d = s[7], &argmax = s[8];
+    const int64_t layout = ctx->saved_data["layout"].toInt();
+    const bool need_dq = ctx->needs_input_grad(0), need_dd = ctx->needs_input_grad(ctx->saved_data["d_edge"].toInt());
+    OptTensor q_ptr, q_pairs, d_ptr, d_pairs;
+    if (layout == kList) {
+      if (need_dq) std::tie(q_ptr, q_pairs) = csr(pair_q, q_start.size(0));
+      if (need_dd) std::tie(d_ptr, d_pairs) = csr(pair_d, d_start.size(0));
+    }
+    auto [dq, dd] = call_backward(grads[0].contiguous().to(at::kFloat), q, q_start, q_len, d, d_start, d_len,
+                                  opt(pair_q), opt(pair_d), argmax, layout, q_ptr, q_pairs, d_ptr, d_pairs, need_dq,
+                                  need_dd);
+    torch::autograd::variable_list out(14);
+    if (need_dq) out[0] = dq;
+    if (need_dd) out[4] = dd;
+    return out;
+  }
+};
+
+std::tuple<Tensor, Tensor> forward_train_autograd(const Tensor& q, const Tensor& q_start, const Tensor& q_len,
+                                                  const OptTensor& q_mask, const Tensor& d, const Tensor& d_start,
+                                                  const Tensor& d_len, const OptTensor& d_mask,
+                                                  const OptTensor& pair_q, const OptTensor& pair_d, int64_t layout,
+                                                  int64_t lq, int64_t argmax_kind, bool tf32) {
+  auto out =
+      ForwardTrain::apply(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d, layout, lq, argmax_kind,
+                          tf32);
+  return {out[0], out[1]};
+}
+
+}  // namespace
+}  // namespace maxsim
+
+TORCH_LIBRARY_IMPL_EXPAND(TORCH_EXTENSION_NAME, Autograd, m) {
+  m.impl("forward_train", &maxsim::forward_train_autograd);
+}
