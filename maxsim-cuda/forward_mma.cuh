@@ -388,15 +388,6 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
     const uint32_t b_row = (uint32_t)((wn * WTN + (lane & 7) + ((lane >> 4) << 3)) * KCB);
     const int b_hi = (lane >> 3) & 1;
 
-    // With the whole query tile in one k chunk (dim <= 128 for 16-bit, <= 128
-    // for 8-bit), a warp keeps its A fragments in registers for the whole
-    // CTA instead of re-reading them from shared memory for every doc tile:
-    // two of every three ldmatrix go away (ncu on the streaming shapes: the
-    // kernel was issue-bound, not waiting on memory). The tile loop is
-    // instantiated for both cases; the choice is per launch.
-    auto tile_loop = [&](auto qreg_tag) {
-    constexpr bool QREG = decltype(qreg_tag)::value;
-    uint32_t areg[QREG ? KSTEPS : 1][MT][4];
     int jg = 0, cbase = 0, kc = 0, slot = 0;  // global tile, first global tile of cdoc
     for (int it = 0; it < total; ++it) {
       cp_async_wait<STAGES - 2>();
@@ -407,16 +398,6 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
       }
       if (it + STAGES - 1 < total) issue(it + STAGES - 1, true);
       cp_async_commit();
-      if constexpr (QREG) {
-        if (it == 0) {  // the query tile arrived with the first stage
-#pragma unroll
-          for (int ks = 0; ks < KSTEPS; ++ks)
-#pragma unroll
-            for (int i = 0; i < MT; ++i)
-              ldsm_x4(areg[ks][i][0], areg[ks][i][1], areg[ks][i][2], areg[ks][i][3],
-                      q_s + a_row + (uint32_t)(i * 16 * KCB) + (((ks * 2 + a_hi) ^ sw) << 4));
-        }
-      }
 
       float cs[QUANT ? NT : 1][2];  // doc-token scales of this lane's columns
       if (QUANT && kc + 1 == p.kch) {
@@ -436,12 +417,10 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
       // Fragments double-buffered in registers across the k steps.
       uint32_t af[2][MT][4], bfr[2][NT][2];
       auto load_frags = [&](int buf, int ks) {
-        if constexpr (!QREG) {
 #pragma unroll
-          for (int i = 0; i < MT; ++i)
-            ldsm_x4(af[buf][i][0], af[buf][i][1], af[buf][i][2], af[buf][i][3],
-                    a_base + (uint32_t)(i * 16 * KCB) + (((ks * 2 + a_hi) ^ sw) << 4));
-        }
+        for (int i = 0; i < MT; ++i)
+          ldsm_x4(af[buf][i][0], af[buf][i][1], af[buf][i][2], af[buf][i][3],
+                  a_base + (uint32_t)(i * 16 * KCB) + (((ks * 2 + a_hi) ^ sw) << 4));
 #pragma unroll
         for (int np = 0; np < NT / 2; ++np)
           ldsm_x4(bfr[buf][2 * np][0], bfr[buf][2 * np][1], bfr[buf][2 * np + 1][0], bfr[buf][2 * np + 1][1],
@@ -458,12 +437,7 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
 #pragma unroll
         for (int i = 0; i < MT; ++i)
 #pragma unroll
-          for (int jn = 0; jn < NT; ++jn) {
-            if constexpr (QREG)
-              Mma<T>::run(acc[i][jn], areg[ks][i], bfr[ks & 1][jn]);
-            else
-              Mma<T>::run(acc[i][jn], af[ks & 1][i], bfr[ks & 1][jn]);
-          }
+          for (int jn = 0; jn < NT; ++jn) Mma<T>::run(acc[i][jn], af[ks & 1][i], bfr[ks & 1][jn]);
       }
 
       if (++kc == p.kch) {
@@ -530,17 +504,6 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
         }
       }
       if (++slot == STAGES) slot = 0;
-    }
-    };
-    // Only where the launch bounds leave room for the 4 * MT * KSTEPS extra
-    // registers (the 8-warp config would spill).
-    if constexpr (MT * KSTEPS <= 16 && 65536 / (C::NTH * C::MINB) >= 160) {
-      if (p.kch == 1)
-        tile_loop(std::true_type{});
-      else
-        tile_loop(std::false_type{});
-    } else {
-      tile_loop(std::false_type{});
     }
     cp_async_wait_all();
   }
