@@ -110,6 +110,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--skip-stream", action="store_true")
+    ap.add_argument("--skip-rescore", action="store_true")
     ap.add_argument("--only", default=None, help="comma list of workload prefixes (and/or 'stream')")
     args = ap.parse_args()
     ms_ = load()
@@ -122,10 +123,10 @@ def main():
         extra = " ".join(f"{k}={v}" for k, v in kw.items() if k not in ("workload", "impl", "ms"))
         print(f"{kw['workload']:>22} {kw['impl']:>14} {kw.get('ms', float('nan')):9.3f} ms  {extra}", flush=True)
 
-    def quant_row(wl, quant, qc, Qs, q1, ref_ids, t_bf):
+    def quant_row(wl, quant, qc, Qs, q1, ref_ids, t_bf, impl=None):
         _, ids = ms_.search(Qs, qc, k)
         t = timed(lambda: ms_.search(q1, qc, k))
-        row(workload=wl, impl=f"maxsim-{quant}", ms=t, vs_bf16=round(t / t_bf, 3),
+        row(workload=wl, impl=impl or f"maxsim-{quant}", ms=t, vs_bf16=round(t / t_bf, 3),
             top10=round(agreement(ids, ref_ids, 10), 4), top100=round(agreement(ids, ref_ids, 100), 4))
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -172,6 +173,14 @@ def main():
                 qc = ms_.Corpus(flat, off, device="cuda", quantization=quant)
                 quant_row(wl, quant, qc, Qs, q1, ref_ids, t_bf)
                 del qc
+                if quant == "int8" and not args.skip_rescore:
+                    # tiered: int8 scan, exact re-score of 4k candidates from bf16
+                    # originals kept on the GPU or in pinned host memory
+                    for where in ("device", "pinned"):
+                        qc = ms_.Corpus(flat, off, device="cuda", quantization=quant, rescore=where)
+                        quant_row(wl, quant, qc, Qs, q1, ref_ids, t_bf, impl=f"maxsim-int8+rescore-{where}")
+                        del qc
+                        torch.cuda.empty_cache()
             if "lik" in P and nd * ld <= 100_000 * 1024:
                 lik = P["lik"]
                 try:

@@ -193,8 +193,8 @@ std::tuple<at::Tensor, at::Tensor> backward_cpu(
               "maxsim backward_cpu: q and d must be [T, dim] with the same dim");
   TORCH_CHECK(q.scalar_type() == d.scalar_type() &&
                   (q.scalar_type() == at::kFloat || q.scalar_type() == at::kHalf ||
-                   q.scalar_type() == at::kBFloat16),
-              "maxsim backward_cpu: q and d must share dtype float32, float16 or bfloat16");
+                   q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kDouble),
+              "maxsim backward_cpu: q and d must share dtype float32, float16, bfloat16 or float64");
   TORCH_CHECK(q.is_contiguous() && d.is_contiguous(), "maxsim backward_cpu: q, d must be contiguous");
   check_index(q_start, "q_start"), check_index(q_len, "q_len");
   check_index(d_start, "d_start"), check_index(d_len, "d_len");

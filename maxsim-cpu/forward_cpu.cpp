@@ -231,6 +231,49 @@ void merge_parts(const Fwd<T>& f, int64_t P, int64_t S, const float* pv, const i
   });
 }
 
+// float64 inputs (gradient checks, references): a plain loop in fp64 with
+// fp64 scores, under the same rules as the tiled path (masked / out-of-range
+// tokens skipped, the first NaN wins, else strictly greater, so ties go to
+// the lowest index; all sims -inf -> the first valid token; an invalid
+// query or document -> NaN).
+template <class Ids>
+void forward_f64(const double* q, const double* d, int64_t dim, int64_t Tq, int64_t Td, int64_t Nq, int64_t Nd,
+                 int64_t lq, const int32_t* qs, const int32_t* ql, const int32_t* ds, const int32_t* dl,
+                 const bool* qm, const bool* dm, int64_t P, const Ids& ids, double* score, int32_t* am32,
+                 int16_t* am16) {
+  at::parallel_for(0, P, 16, [&](int64_t b, int64_t e) {
+    for (int64_t p = b; p < e; ++p) {
+      auto [n, m] = ids(p);
+      const int64_t rows = (n >= 0 && n < Nq) ? seg_rows(qs, ql, n, lq, Tq) : -1;
+      const int64_t dlen = (m >= 0 && m < Nd) ? seg_rows(ds, dl, m, kNoWidth, Td) : -1;
+      if (rows < 0 || dlen < 0) {
+        score[p] = std::numeric_limits<double>::quiet_NaN();
+        continue;
+      }
+      const int64_t d0 = ds[m], first = first_valid(dm, d0, dlen);
+      double sum = 0;
+      for (int64_t i = 0; first >= 0 && i < rows; ++i) {
+        if (qm && !qm[qs[n] + i]) continue;
+        const double* qi = q + (qs[n] + i) * dim;
+        double val = -std::numeric_limits<double>::infinity();
+        int64_t a = -1;
+        for (int64_t j = 0; j < dlen; ++j) {
+          if (dm && !dm[d0 + j]) continue;
+          const double* dj = d + (d0 + j) * dim;
+          double v = 0;
+          for (int64_t k = 0; k < dim; ++k) v += qi[k] * dj[k];
+          if (!(v <= val) && val == val) val = v, a = j;
+        }
+        if (a < 0) val = -std::numeric_limits<double>::infinity(), a = first;
+        sum += val;
+        if (am32) am32[p * lq + i] = int32_t(a);
+        if (am16) am16[p * lq + i] = int16_t(a);
+      }
+      score[p] = sum;
+    }
+  });
+}
+
 inline void check_index(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kInt && t.dim() == 1 &&
                   t.is_contiguous(),
@@ -251,8 +294,8 @@ std::tuple<at::Tensor, at::Tensor> forward_cpu(
               "maxsim forward_cpu: q and d must be [T, dim] with the same dim");
   TORCH_CHECK(q.scalar_type() == d.scalar_type() &&
                   (q.scalar_type() == at::kFloat || q.scalar_type() == at::kHalf ||
-                   q.scalar_type() == at::kBFloat16),
-              "maxsim forward_cpu: q and d must share dtype float32, float16 or bfloat16");
+                   q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kDouble),
+              "maxsim forward_cpu: q and d must share dtype float32, float16, bfloat16 or float64");
   TORCH_CHECK(q.is_contiguous() && d.is_contiguous(), "maxsim forward_cpu: q, d must be contiguous");
   check_index(q_start, "q_start"), check_index(q_len, "q_len");
   check_index(d_start, "d_start"), check_index(d_len, "d_len");
@@ -284,7 +327,8 @@ std::tuple<at::Tensor, at::Tensor> forward_cpu(
     P = pair_q->numel();
   }
 
-  auto scores = at::zeros({P}, q.options().dtype(at::kFloat));
+  const bool f64 = q.scalar_type() == at::kDouble;  // fp64 in, fp64 scores out
+  auto scores = at::zeros({P}, q.options().dtype(f64 ? at::kDouble : at::kFloat));
   at::Tensor argmax =
       argmax_kind == kNoArgmax
           ? at::empty({0}, q.options().dtype(at::kInt))
@@ -292,6 +336,23 @@ std::tuple<at::Tensor, at::Tensor> forward_cpu(
   if (P == 0) return {scores, argmax};
 
   const int64_t dim = q.size(1), nthreads = at::get_num_threads();
+  if (f64) {
+    const int64_t K = layout == kGrouped ? Nd / Nq : 1;
+    const int32_t* pq = layout == kList ? pair_q->data_ptr<int32_t>() : nullptr;
+    const int32_t* pd = layout == kList ? pair_d->data_ptr<int32_t>() : nullptr;
+    auto ids = [&](int64_t p) -> std::pair<int64_t, int64_t> {
+      return layout == kCross ? std::make_pair(p / Nd, p % Nd)
+             : layout == kGrouped ? std::make_pair(p / K, p)
+                                  : std::make_pair(int64_t(pq[p]), int64_t(pd[p]));
+    };
+    forward_f64(q.data_ptr<double>(), d.data_ptr<double>(), dim, q.size(0), d.size(0), Nq, Nd, lq,
+                q_start.data_ptr<int32_t>(), q_len.data_ptr<int32_t>(), d_start.data_ptr<int32_t>(),
+                d_len.data_ptr<int32_t>(), q_mask ? q_mask->data_ptr<bool>() : nullptr,
+                d_mask ? d_mask->data_ptr<bool>() : nullptr, P, ids, scores.data_ptr<double>(),
+                argmax_kind == kArgmaxI32 ? argmax.data_ptr<int32_t>() : nullptr,
+                argmax_kind == kArgmaxI16 ? argmax.data_ptr<int16_t>() : nullptr);
+    return {scores, argmax};
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "maxsim_forward_cpu", [&] {
     Fwd<scalar_t> f{};
     f.q = q.data_ptr<scalar_t>(), f.d = d.data_ptr<scalar_t>();

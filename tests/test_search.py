@@ -229,3 +229,52 @@ def test_pinned_streaming_matches_device(ms, kind):
     if ref is not None:
         check_topk(c[0], c[1], ref, 50, 1e-2)
         check_topk(b[0], b[1], ref, 50, 1e-2)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_rescored_quantized_search_is_exact(ms, device, kind):
+    """A quantised corpus with kept originals re-scores its candidates from
+    them: with every document a candidate the result is the exact search's,
+    scores included; with the default oversampling the scores returned are
+    exact for the ids returned."""
+    if kind == "fp8" and device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs sm_89+")
+    g = torch.Generator().manual_seed(31)
+    N, L, d = 70, 19, 48
+    D = rand(N, L, d, device=device, gen=g)
+    lengths = torch.randint(0, L + 1, (N,), generator=g)
+    lengths[3] = 0
+    mask = torch.rand(N, L, generator=g) < 0.8
+    Q = rand(5, 11, d, device=device, gen=g)
+    qmask = torch.rand(5, 11, generator=g) < 0.8
+    flat = D.reshape(N * L, d)
+    off = torch.arange(N + 1) * L
+    lmask = (torch.arange(L)[None] < lengths[:, None]) & mask
+    exact = ms.Corpus(D, mask=lmask.to(device), device=device)
+    for where in ("cpu", "device"):
+        c = ms.Corpus(D, mask=lmask.to(device), device=device, quantization=kind, rescore=where)
+        # every document a candidate: identical to the exact search
+        s, ids = ms.search(Q, c, 9, query_mask=qmask.to(device), oversample=N)
+        s0, ids0 = ms.search(Q, exact, 9, query_mask=qmask.to(device))
+        assert torch.equal(ids.cpu(), ids0.cpu())
+        assert torch.allclose(s.cpu(), s0.cpu(), rtol=1e-6, atol=1e-6)
+        # default oversampling: the returned scores are the exact fp64 ones
+        s, ids = ms.search(Q, c, 9, query_mask=qmask.to(device))
+        ref = ref_scores(ms, Q, flat, off, q_mask=qmask, d_mask=lmask.reshape(-1))
+        got = torch.gather(ref, 1, ids.cpu().long())
+        assert torch.allclose(s.double().cpu(), got, atol=1e-5)
+        # k beyond the corpus: padded with (-inf, -1) as the plain search
+        s, ids = ms.search(Q[:1], c, N + 5)
+        assert ids.shape == (1, N + 5) and (ids[0, N:] == -1).all() and (ids[0, :N] >= 0).all()
+
+
+def test_rescore_argument_errors(ms):
+    D = torch.randn(10, 4, 16)
+    with pytest.raises(ValueError, match="rescore"):
+        ms.Corpus(D, rescore="disk", storage="cpu")
+    with pytest.raises(ValueError, match="rescore"):
+        ms.Corpus(D, rescore="cpu", storage="cpu")  # nothing quantised to re-score
+    c = ms.Corpus(D, storage="cpu", quantization="int8", rescore="cpu")
+    with pytest.raises(ValueError, match="oversample"):
+        ms.search(torch.randn(3, 16), c, 2, oversample=0)

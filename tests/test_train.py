@@ -152,3 +152,55 @@ def test_backward_is_deterministic(ms, device, dtype):
         (ms.maxsim(Q, D) * g).sum().backward()
         grads.append((Q.grad.clone(), D.grad.clone()))
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+# ---------------------------------------------------------------------------
+# fp64 on the CPU: the forward is exact in fp64, so torch.autograd.gradcheck
+# can compare the backward kernel against finite differences.
+# ---------------------------------------------------------------------------
+
+def _f64(*shape, gen):
+    return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+
+def test_f64_forward_matches_reference(ms):
+    gen = torch.Generator().manual_seed(21)
+    Q, D = _f64(3, 7, 12, gen=gen), _f64(5, 9, 12, gen=gen)
+    qm = torch.rand(3, 7, generator=gen) > 0.3
+    dm = torch.rand(5, 9, generator=gen) > 0.3
+    s = ms.maxsim(Q, D, qm, dm)
+    assert s.dtype == torch.float64
+    ref = ms.maxsim_reference(Q, D, qm, dm)
+    assert torch.allclose(s, ref.to(torch.float64), rtol=1e-12, atol=1e-12)
+    # argmax in fp64 too: ties and order as the fp32 path
+    Dp = D.clone()
+    Dp[2, 5] = Dp[2, 1]  # an exact tie: the lower index wins
+    _, a = ms.score_candidates_padded_with_argmax(Q[:1], Dp[None])
+    exp = torch.einsum("id,kjd->kij", Q[0], Dp).argmax(-1)
+    assert a.dtype == torch.int32 and torch.equal(a[0], exp.to(torch.int32))
+
+
+@pytest.mark.parametrize("surface", ["maxsim", "candidates", "contrastive", "pairs"])
+def test_gradcheck_f64(ms, surface):
+    gen = torch.Generator().manual_seed(22)
+    if surface == "maxsim":
+        Q, D = _f64(2, 5, 6, gen=gen), _f64(3, 7, 6, gen=gen)
+        qm = torch.rand(2, 5, generator=gen) > 0.3
+        dm = torch.rand(3, 7, generator=gen) > 0.3
+        fn = lambda q, d: ms.maxsim(q, d, qm, dm)  # noqa: E731
+    elif surface == "candidates":
+        Q, D = _f64(2, 5, 6, gen=gen), _f64(2, 3, 7, 6, gen=gen)
+        ql, dl = torch.tensor([5, 3]), torch.tensor([[7, 2, 0], [4, 7, 1]])
+        fn = lambda q, d: ms.score_candidates_padded_train(q, d, ql, dl)  # noqa: E731
+    elif surface == "contrastive":
+        Q, D = _f64(3, 4, 6, gen=gen), _f64(11, 6, gen=gen)
+        off = torch.tensor([0, 3, 3, 8, 11])
+        fn = lambda q, d: ms.score_contrastive_train(q, d, off)  # noqa: E731
+    else:
+        Q, D = _f64(9, 6, gen=gen), _f64(12, 6, gen=gen)
+        qo, do = torch.tensor([0, 4, 9]), torch.tensor([0, 5, 12])
+        pq, pd = torch.tensor([0, 1, 1, 0]), torch.tensor([1, 0, 1, 0])
+        fn = lambda q, d: ms.score_pairs_packed_train(q, qo, d, do, pq, pd)  # noqa: E731
+    Q.requires_grad_(), D.requires_grad_()
+    assert fn(Q, D).dtype == torch.float64
+    assert torch.autograd.gradcheck(fn, (Q, D))

@@ -48,7 +48,8 @@ def _argmax_empty(q, P, lq, argmax_kind):
 def _forward_fake(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d,
                   layout, lq, argmax_kind, tf32):
     P = num_pairs(q_start, d_start, pair_q, layout)
-    return q.new_empty((P,), dtype=torch.float32), _argmax_empty(q, P, lq, argmax_kind)
+    sdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_empty((P,), dtype=sdt), _argmax_empty(q, P, lq, argmax_kind)
 
 
 @torch.library.register_fake(FORWARD_QUANT)

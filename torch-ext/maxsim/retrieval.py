@@ -13,7 +13,9 @@ chunks on a copy stream, double-buffered against the scoring of the previous
 chunk) or on the CPU (CPU kernels); it may be stored as int8 (per-token
 symmetric scales, scored exactly in int32 on int8 tensor cores) or fp8 e4m3
 (per-token scales, fp8 tensor cores on sm_89+), in which case the queries are
-quantised the same way per token.
+quantised the same way per token. A quantised corpus may keep its original
+tokens (``rescore=``, e.g. on the host) so that :func:`search` re-scores the
+best ``oversample x k`` candidates of the compressed scan exactly.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Iterator, Optional
 import torch
 
 from ._registry import ops
-from .reference import CROSS
+from .reference import CROSS, GROUPED
 from .scoring import _padded_segments
 
 Tensor = torch.Tensor
@@ -169,19 +171,29 @@ class Corpus:
     the dtype), ``"int8"`` or ``"fp8"`` (see :func:`quantize_tokens`).
     Already quantised tokens (int8 / float8_e4m3fn, dim a multiple of 16)
     come with their per-token ``scales [T]`` and are kept as they are.
-    Construction validates the layout (host syncs allowed here, not in
-    :func:`search`).
+    ``rescore``: with ``quantization``, also keep the original tokens on
+    ``"device"``, ``"pinned"`` or ``"cpu"`` memory; :func:`search` then
+    scores the compressed corpus for ``oversample x k`` candidates per query
+    and re-scores those exactly from the originals (the usual tiered set-up:
+    the GPU holds the int8 corpus, the host the full-precision one).
+    Construction validates the layout (host syncs allowed here; :func:`search`
+    syncs only to gather host-resident originals).
     """
 
     def __init__(self, documents: Tensor, offsets=None, *, lengths=None, mask=None, storage: str = "device",
                  quantization: Optional[str] = None, scales: Optional[Tensor] = None, device=None,
-                 chunk_mib: int = 256):
+                 chunk_mib: int = 256, rescore: Optional[str] = None):
         if storage not in ("device", "pinned", "cpu"):
             raise ValueError(f"storage must be 'device', 'pinned' or 'cpu', got {storage!r}")
         if quantization not in (None, "int8", "fp8"):
             raise ValueError(f"quantization must be None, 'int8' or 'fp8', got {quantization!r}")
+        if rescore not in (None, "device", "pinned", "cpu"):
+            raise ValueError(f"rescore must be None, 'device', 'pinned' or 'cpu', got {rescore!r}")
         tokens, starts, lens, tmask = _as_packed(documents, offsets, lengths, mask)
         prequant = tokens.dtype in _QTYPES
+        if rescore is not None and (quantization is None or prequant):
+            raise ValueError("rescore keeps the original tokens of a corpus quantised here "
+                             "(quantization='int8' or 'fp8' with float documents)")
         if prequant:
             if scales is None or scales.shape != (tokens.shape[0],):
                 raise ValueError("quantised documents need scales [T] (one per token row)")
@@ -212,6 +224,17 @@ class Corpus:
         self.num_docs = starts.numel()
         self.num_tokens = tokens.shape[0]
         home = torch.device("cpu") if storage != "device" else dev
+        self.originals = None
+        if rescore is not None:
+            ohome = dev if rescore == "device" else torch.device("cpu")
+            orig = tokens.to(ohome).contiguous()
+            omask = None if tmask is None else tmask.to(ohome).contiguous()
+            if rescore == "pinned" and ohome.type == "cpu" and torch.cuda.is_available():
+                orig = orig.pin_memory()
+                omask = None if omask is None else omask.pin_memory()
+            ost = starts.to(torch.int64).to(ohome)
+            oln = lens.to(torch.int64).to(ohome).clamp(min=0)
+            self.originals = (orig, omask, ost, oln, int(oln.max()) if oln.numel() else 0)
         # Quantise where the compute is (fast on a GPU), keep it where it is stored.
         if prequant:
             scales = scales.to(home, torch.float32).contiguous()
@@ -243,6 +266,29 @@ class Corpus:
 
     def __len__(self) -> int:
         return self.num_docs
+
+    def _gather_originals(self, ids: Tensor, dev) -> tuple:
+        """Candidates ``ids [M]`` (-1 = none) as a padded block on ``dev``:
+        (tokens [M * L, d], mask [M * L] or None, starts [M], lengths [M])."""
+        orig, omask, ost, oln, L = self.originals
+        ids = ids.to(orig.device)
+        ok = ids >= 0
+        safe = torch.where(ok, ids, 0)
+        lens = torch.where(ok, oln[safe], 0)
+        rows = ost[safe][:, None] + torch.arange(max(L, 1), device=orig.device)[None, :]
+        valid = torch.arange(max(L, 1), device=orig.device)[None, :] < lens[:, None]
+        rows = torch.where(valid, rows, 0).reshape(-1)
+        tok = orig.index_select(0, rows) if orig.shape[0] else orig.new_zeros((rows.numel(), orig.shape[1]))
+        m = valid.reshape(-1)
+        if omask is not None:
+            m = m & omask.index_select(0, rows) if omask.shape[0] else m
+        M = ids.numel()
+        starts = torch.arange(M, device=orig.device) * max(L, 1)
+        lengths = torch.where(ok, lens, -1)  # no candidate: an invalid doc, NaN score, ranked out
+        nb = dev.type == "cuda" and tok.device.type == "cpu"
+        out = (tok.to(dev, non_blocking=nb), m.to(dev, non_blocking=nb),
+               starts.to(torch.int32).to(dev), lengths.to(torch.int32).to(dev))
+        return out
 
     def __repr__(self) -> str:
         q = self.quantization or str(self.dtype).replace("torch.", "")
@@ -364,8 +410,34 @@ def as_corpus(corpus, device) -> Corpus:
     return corpus
 
 
+def _rescore(q, q_start, q_len, qm, Nq, Lq, corpus, keys, k, dev) -> Tensor:
+    """Exact scores of each query's candidate keys [Nq, kc] from the corpus'
+    original tokens; -> the top-k keys."""
+    kc = keys.shape[1]
+    if kc == 0 or Nq == 0:
+        return merge_topk(keys[:, :0], k)
+    _, cand = ops.decode_keys(keys)
+    orig = corpus.originals[0]
+    q = q.to(orig.dtype)
+    L = max(corpus.originals[4], 1)
+    # Queries per group: gathered candidate tokens of about 256 MiB at most.
+    per = max(1, (256 << 20) // max(1, kc * L * orig.shape[1] * orig.element_size()))
+    out = []
+    for n0 in range(0, Nq, per):
+        n1 = min(Nq, n0 + per)
+        tok, m, st, ln = corpus._gather_originals(cand[n0:n1].reshape(-1), dev)
+        qs, ql = q_start[n0:n1] - q_start[n0], q_len[n0:n1]
+        rows = slice(n0 * Lq, n1 * Lq)
+        scores, _ = ops.forward(q[rows], qs, ql, None if qm is None else qm[rows], tok, st, ln, m,
+                                None, None, GROUPED, Lq, 0, False)
+        scores = scores.view(n1 - n0, kc)
+        out.append(encode_keys(scores, cand[n0:n1]))  # id -1 (no candidate) -> empty slot
+    return merge_topk(torch.cat(out), k)
+
+
 def search(queries: Tensor, corpus, k: int, *, query_lengths: Optional[Tensor] = None,
-           query_mask: Optional[Tensor] = None, block_docs: Optional[int] = None) -> tuple[Tensor, Tensor]:
+           query_mask: Optional[Tensor] = None, block_docs: Optional[int] = None,
+           oversample: int = 4) -> tuple[Tensor, Tensor]:
     """Exact MaxSim top-k of each query over ``corpus``.
 
     ``queries``: ``[Lq, d]`` or ``[Nq, Lq, d]`` (float), with optional
@@ -376,16 +448,25 @@ def search(queries: Tensor, corpus, k: int, *, query_lengths: Optional[Tensor] =
     best first, ties to the lower document id. With fewer than k documents
     the tail is (-inf, -1). A document whose score is NaN ranks last.
     ``block_docs`` caps the documents scored per block (default: about 8M
-    scores per block).
+    scores per block). For a quantised corpus with kept originals
+    (``Corpus(..., rescore=...)``) the compressed scan keeps ``oversample x
+    k`` candidates, re-scored exactly from the originals; the scores returned
+    are then the exact ones.
     """
     if not isinstance(k, int) or k < 0:
         raise ValueError(f"k must be a non-negative int, got {k!r}")
+    if not isinstance(oversample, int) or oversample < 1:
+        raise ValueError(f"oversample must be an int >= 1, got {oversample!r}")
     corpus = as_corpus(corpus, queries.device)
     dev = corpus.device
     single, q, q_start, q_len, qm, Nq, Lq = _queries(queries, query_lengths, query_mask, dev)
     if q.shape[1] != corpus.dim:
         raise ValueError(f"embedding dim mismatch: queries have {q.shape[1]}, the corpus {corpus.dim}")
     quant = corpus.quantization
+    exact_q = q
+    k_final = k
+    if corpus.originals is not None:
+        k = min(k * oversample, corpus.num_docs) if k else 0
     if quant is not None:
         qv, qs = quantize_tokens(q, quant)
     else:
@@ -410,6 +491,8 @@ def search(queries: Tensor, corpus, k: int, *, query_lengths: Optional[Tensor] =
         keys = torch.empty((Nq, 0), dtype=torch.int64, device=dev)
     if keys.shape[1] < k:
         keys = merge_topk(keys, k)
+    if corpus.originals is not None:
+        keys = _rescore(exact_q, q_start, q_len, qm, Nq, Lq, corpus, keys, k_final, dev)
     scores, ids = ops.decode_keys(keys)
     if single:
         return scores[0], ids[0]

@@ -43,8 +43,16 @@ __all__ = [
 def _check_float(name: str, t) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype == torch.float64 and t.device.type == "cpu":
+        return  # exact fp64 path of the CPU backend (gradient checks, references)
     if t.dtype not in _FLOATS:
-        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+        extra = " (float64 only on the CPU)" if t.dtype == torch.float64 else ""
+        raise TypeError(f"{name} must be float32, float16 or bfloat16{extra}, got {t.dtype}")
+
+
+def _score_dtype(t: Tensor) -> torch.dtype:
+    """Scores are fp32, or fp64 for fp64 inputs."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 def _check_int(name: str, t, dim: int) -> None:
@@ -83,7 +91,7 @@ def _check_same(named: dict) -> None:
         if t.device != t0.device:
             raise ValueError(f"{name} is on {t.device} but {first} is on {t0.device}; "
                              "all tensors must be on one device")
-    floats = [(k, v) for k, v in items if v.dtype in _FLOATS]
+    floats = [(k, v) for k, v in items if v.dtype.is_floating_point]
     for name, t in floats[1:]:
         if t.dtype != floats[0][1].dtype:
             raise TypeError(f"{name} has dtype {t.dtype} but {floats[0][0]} has "
@@ -189,9 +197,9 @@ def _run(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d,
               pair_q, pair_d, layout, lq, argmax_kind, tf32)
 
 
-def _empty_result(shape: tuple, lq: int, device, mode: str):
+def _empty_result(shape: tuple, lq: int, device, mode: str, dtype=torch.float32):
     """Result of a call with no pairs: zero scores (and -1 argmax)."""
-    s = torch.zeros(shape, device=device, dtype=torch.float32)
+    s = torch.zeros(shape, device=device, dtype=dtype)
     return s if mode != "argmax" else (s, torch.full(shape + (lq,), -1, device=device, dtype=torch.int32))
 
 
@@ -226,7 +234,7 @@ def _candidates(queries, documents, query_lengths, doc_lengths, *, mode, validat
             _validate_lengths("doc_lengths", doc_lengths, Ld)
     dev = queries.device
     if B * K == 0:
-        return _empty_result((B, K), Lq, dev, mode)
+        return _empty_result((B, K), Lq, dev, mode, _score_dtype(queries))
     q_start, q_len = _padded_segments(B, Lq, query_lengths, dev)
     d_start, d_len = _padded_segments(B * K, Ld, doc_lengths, dev)
     kind = _argmax_kind(mode == "train", mode == "argmax", Ld)
@@ -295,7 +303,7 @@ def _contrastive(queries, documents, document_offsets, query_lengths, *, mode, v
             _validate_lengths("query_lengths", query_lengths, Lq)
     dev = queries.device
     if Nq * Nb == 0:
-        return _empty_result((Nq, Nb), Lq, dev, mode)
+        return _empty_result((Nq, Nb), Lq, dev, mode, _score_dtype(queries))
     q_start, q_len = _padded_segments(Nq, Lq, query_lengths, dev)
     d_start, d_len = _offset_segments(document_offsets, T)
     kind = _argmax_kind(mode == "train", mode == "argmax", T)
@@ -373,7 +381,7 @@ def _pairs(queries, query_offsets, documents, document_offsets, pair_query_ids, 
     P = pair_query_ids.shape[0]
     dev = queries.device
     if P == 0:
-        return _empty_result((0,), lq, dev, mode)
+        return _empty_result((0,), lq, dev, mode, _score_dtype(queries))
     kind = _argmax_kind(mode == "train", mode == "argmax", Td)
     scores, argmax = _run(queries.contiguous(), q_start, q_len, None, documents.contiguous(), d_start,
                           d_len, None, pair_query_ids.to(torch.int32).contiguous(),
@@ -445,7 +453,7 @@ def maxsim(Q: Tensor, D: Tensor, q_mask: Optional[Tensor] = None, d_mask: Option
     n_docs = D.shape[0] * (D.shape[1] if D.dim() == 4 else 1)
     out_shape = (Nq, D.shape[1] if D.dim() == 4 else D.shape[0])
     if Nq * n_docs == 0:
-        return torch.zeros(out_shape, device=Q.device, dtype=torch.float32)
+        return torch.zeros(out_shape, device=Q.device, dtype=_score_dtype(Q))
     dev = Q.device
     q_start, q_len = _padded_segments(Nq, Lq, None, dev)
     d_start, d_len = _padded_segments(n_docs, Ld, None, dev)
