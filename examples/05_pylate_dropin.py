@@ -72,9 +72,15 @@ def main():
     d_mask = (torch.arange(args.ld, device=device) < torch.randint(args.ld // 4, args.ld + 1, (args.docs, 1),
                                                                      device=device)).float()
     own, t_own, ours, t_ours = both(lambda: pylate.scores.colbert_scores(Q, D, documents_mask=d_mask), device)
-    err = ((ours - own).abs().max() / own.abs().max()).item()
-    print(f"colbert_scores [{args.queries} x {args.docs}, Lq {args.lq}, Ld {args.ld}]: "
-          f"max relative difference {err:.1e}")
+    # Reference: PyLate's own code on the CPU, exact IEEE fp32 (on a GPU its
+    # matmul may run at reduced precision, e.g. TF32).
+    ip.unuse_in_pylate()
+    ref = pylate.scores.colbert_scores(Q.cpu(), D.cpu(), documents_mask=d_mask.cpu())
+    ip.use_in_pylate()
+    err = ((ours.cpu() - ref).abs().max() / ref.abs().max()).item()
+    err_own = ((own.cpu() - ref).abs().max() / ref.abs().max()).item()
+    print(f"colbert_scores [{args.queries} x {args.docs}, Lq {args.lq}, Ld {args.ld}]: maxsim vs PyLate on the "
+          f"CPU (exact fp32): max relative difference {err:.1e} | PyLate on {device}: {err_own:.1e}")
     print(f"  PyLate {t_own:.2f} ms   maxsim {t_ours:.2f} ms   ({t_own / t_ours:.1f}x)")
 
     # rank.rerank: per query a list of ragged candidate documents (numpy, as PyLate's encoder returns).
@@ -83,13 +89,22 @@ def main():
           for _ in range(args.queries)]
     ids = [[f"q{i}-d{k}" for k in range(args.candidates)] for i in range(args.queries)]
     own, t_own, ours, t_ours = both(lambda: pylate.rank.rerank(ids, qs, ds, device=device), device)
-    same = all([r["id"] for r in a] == [r["id"] for r in b] for a, b in zip(own, ours))
-    diff = max(abs(x["score"] - y["score"]) for a, b in zip(own, ours) for x, y in zip(a, b))
-    print(f"rerank [{args.queries} queries x {args.candidates} candidates]: same order {same}, "
-          f"max score difference {diff:.1e}")
+    ip.unuse_in_pylate()
+    ref = pylate.rank.rerank(ids, qs, ds, device="cpu")
+    ip.use_in_pylate()
+
+    def compare(a_lists, b_lists):
+        same = all([r["id"] for r in a] == [r["id"] for r in b] for a, b in zip(a_lists, b_lists))
+        diff = max(abs(x["score"] - y["score"]) for a, b in zip(a_lists, b_lists) for x, y in zip(a, b))
+        return same, diff
+
+    same, diff = compare(ours, ref)
+    same_own, diff_own = compare(own, ref)
+    print(f"rerank [{args.queries} queries x {args.candidates} candidates] vs PyLate on the CPU: maxsim same "
+          f"order {same}, max score difference {diff:.1e} | PyLate on {device}: same order {same_own}, "
+          f"{diff_own:.1e}")
     print(f"  PyLate {t_own:.2f} ms   maxsim {t_ours:.2f} ms   ({t_own / t_ours:.1f}x)")
     print(f"  query 0 top-3: {[(r['id'], round(r['score'], 3)) for r in ours[0][:3]]}")
-
 
 if __name__ == "__main__":
     main()

@@ -77,8 +77,8 @@ def test_memory_vs_naive(tmp_path):
 
 
 def test_pylate_dropin():
-    pytest.importorskip("pylate")  # CI installs it; the GPU machine's image has no pylate
+    pytest.importorskip("pylate")  # CI installs it; on the GPU machine it comes from the carried wheels
     out = _run("05_pylate_dropin", "--queries", 4, "--docs", 32, "--candidates", 8, "--ld", 64)
     assert float(out.split("max relative difference")[1].split()[0]) < 1e-5
-    assert "same order True" in out
+    assert "maxsim same order True" in out
     assert float(out.split("max score difference")[1].split()[0]) < 1e-4
