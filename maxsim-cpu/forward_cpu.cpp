@@ -336,15 +336,16 @@ std::tuple<at::Tensor, at::Tensor> forward_cpu(
   if (P == 0) return {scores, argmax};
 
   const int64_t dim = q.size(1), nthreads = at::get_num_threads();
+  // (query, document) of pair p.
+  const int64_t K = layout == kGrouped ? Nd / Nq : 1;
+  const int32_t* pq = layout == kList ? pair_q->data_ptr<int32_t>() : nullptr;
+  const int32_t* pd = layout == kList ? pair_d->data_ptr<int32_t>() : nullptr;
+  auto ids = [&](int64_t p) -> std::pair<int64_t, int64_t> {
+    return layout == kCross ? std::make_pair(p / Nd, p % Nd)
+           : layout == kGrouped ? std::make_pair(p / K, p)
+                                : std::make_pair(int64_t(pq[p]), int64_t(pd[p]));
+  };
   if (f64) {
-    const int64_t K = layout == kGrouped ? Nd / Nq : 1;
-    const int32_t* pq = layout == kList ? pair_q->data_ptr<int32_t>() : nullptr;
-    const int32_t* pd = layout == kList ? pair_d->data_ptr<int32_t>() : nullptr;
-    auto ids = [&](int64_t p) -> std::pair<int64_t, int64_t> {
-      return layout == kCross ? std::make_pair(p / Nd, p % Nd)
-             : layout == kGrouped ? std::make_pair(p / K, p)
-                                  : std::make_pair(int64_t(pq[p]), int64_t(pd[p]));
-    };
     forward_f64(q.data_ptr<double>(), d.data_ptr<double>(), dim, q.size(0), d.size(0), Nq, Nd, lq,
                 q_start.data_ptr<int32_t>(), q_len.data_ptr<int32_t>(), d_start.data_ptr<int32_t>(),
                 d_len.data_ptr<int32_t>(), q_mask ? q_mask->data_ptr<bool>() : nullptr,
@@ -382,14 +383,6 @@ std::tuple<at::Tensor, at::Tensor> forward_cpu(
       const int64_t ld = Nd ? d_len.max().item<int32_t>() : 0;
       S = std::max<int64_t>(1, std::min((4 * nthreads + items - 1) / items, ld / 256));
     }
-    const int64_t K = layout == kGrouped ? Nd / Nq : 1;
-    const int32_t* pq = layout == kList ? pair_q->data_ptr<int32_t>() : nullptr;
-    const int32_t* pd = layout == kList ? pair_d->data_ptr<int32_t>() : nullptr;
-    auto ids = [&](int64_t p) -> std::pair<int64_t, int64_t> {
-      return layout == kCross ? std::make_pair(p / Nd, p % Nd)
-             : layout == kGrouped ? std::make_pair(p / K, p)
-                                  : std::make_pair(int64_t(pq[p]), int64_t(pd[p]));
-    };
     std::vector<float> pv(S > 1 ? P * S * lq : 0, -kInf);
     std::vector<int32_t> pa(pv.size(), -1);
     parallel_items(items * S, items * S / (8 * nthreads), [&](auto&& grab) {
