@@ -23,31 +23,10 @@ from pathlib import Path
 
 import torch
 
+from bench_gpu import load_maxsim as load, peers  # the matrix script's loader and peer imports
+
 ROOT = Path(__file__).resolve().parent.parent
 D = 128
-
-
-def load():
-    import kernels
-
-    return kernels.get_local_kernel(ROOT)
-
-
-def peers():
-    out = {}
-    try:
-        import late_interaction_kernels as lik
-
-        out["lik"] = lik
-    except Exception as e:  # noqa: BLE001
-        print("late-interaction-kernels unavailable:", e)
-    try:
-        import flash_maxsim as fm
-
-        out["flash-maxsim"] = fm
-    except Exception as e:  # noqa: BLE001
-        print("flash-maxsim unavailable:", e)
-    return out
 
 
 def timed(fn, reps=20, warmup=3):
