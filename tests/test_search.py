@@ -252,7 +252,8 @@ def test_rescored_quantized_search_is_exact(ms, device, kind):
     off = torch.arange(N + 1) * L
     lmask = (torch.arange(L)[None] < lengths[:, None]) & mask
     exact = ms.Corpus(D, mask=lmask.to(device), device=device)
-    for where in ("cpu", "device"):
+    wheres = ("cpu", "device") + (("pinned",) if device == "cuda" else ())
+    for where in wheres:
         c = ms.Corpus(D, mask=lmask.to(device), device=device, quantization=kind, rescore=where)
         # every document a candidate: identical to the exact search
         s, ids = ms.search(Q, c, 9, query_mask=qmask.to(device), oversample=N)
