@@ -14,6 +14,7 @@
 #include <torch/library.h>
 
 #include "registration.h"
+#include "torch_binding.h"
 
 namespace maxsim {
 namespace {
@@ -24,7 +25,6 @@ constexpr const char* kNs = MAXSIM_STR(TORCH_EXTENSION_NAME);
 
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
-constexpr int64_t kList = 2;  // layout codes as in torch_binding.h
 
 OptTensor opt(const Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
 

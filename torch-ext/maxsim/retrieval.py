@@ -275,8 +275,9 @@ class Corpus:
         ok = ids >= 0
         safe = torch.where(ok, ids, 0)
         lens = torch.where(ok, oln[safe], 0)
-        rows = ost[safe][:, None] + torch.arange(max(L, 1), device=orig.device)[None, :]
-        valid = torch.arange(max(L, 1), device=orig.device)[None, :] < lens[:, None]
+        cols = torch.arange(max(L, 1), device=orig.device)[None, :]
+        rows = ost[safe][:, None] + cols
+        valid = cols < lens[:, None]
         rows = torch.where(valid, rows, 0).reshape(-1)
         tok = orig.index_select(0, rows) if orig.shape[0] else orig.new_zeros((rows.numel(), orig.shape[1]))
         m = valid.reshape(-1)
@@ -286,9 +287,8 @@ class Corpus:
         starts = torch.arange(M, device=orig.device) * max(L, 1)
         lengths = torch.where(ok, lens, -1)  # no candidate: an invalid doc, NaN score, ranked out
         nb = dev.type == "cuda" and tok.device.type == "cpu"
-        out = (tok.to(dev, non_blocking=nb), m.to(dev, non_blocking=nb),
-               starts.to(torch.int32).to(dev), lengths.to(torch.int32).to(dev))
-        return out
+        return (tok.to(dev, non_blocking=nb), m.to(dev, non_blocking=nb),
+                starts.to(torch.int32).to(dev), lengths.to(torch.int32).to(dev))
 
     def __repr__(self) -> str:
         q = self.quantization or str(self.dtype).replace("torch.", "")
@@ -463,7 +463,6 @@ def search(queries: Tensor, corpus, k: int, *, query_lengths: Optional[Tensor] =
     if q.shape[1] != corpus.dim:
         raise ValueError(f"embedding dim mismatch: queries have {q.shape[1]}, the corpus {corpus.dim}")
     quant = corpus.quantization
-    exact_q = q
     k_final = k
     if corpus.originals is not None:
         k = min(k * oversample, corpus.num_docs) if k else 0
@@ -492,7 +491,7 @@ def search(queries: Tensor, corpus, k: int, *, query_lengths: Optional[Tensor] =
     if keys.shape[1] < k:
         keys = merge_topk(keys, k)
     if corpus.originals is not None:
-        keys = _rescore(exact_q, q_start, q_len, qm, Nq, Lq, corpus, keys, k_final, dev)
+        keys = _rescore(q, q_start, q_len, qm, Nq, Lq, corpus, keys, k_final, dev)
     scores, ids = ops.decode_keys(keys)
     if single:
         return scores[0], ids[0]

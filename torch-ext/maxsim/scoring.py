@@ -197,10 +197,11 @@ def _run(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d,
               pair_q, pair_d, layout, lq, argmax_kind, tf32)
 
 
-def _empty_result(shape: tuple, lq: int, device, mode: str, dtype=torch.float32):
+def _empty_result(shape: tuple, lq: int, queries: Tensor, mode: str):
     """Result of a call with no pairs: zero scores (and -1 argmax)."""
-    s = torch.zeros(shape, device=device, dtype=dtype)
-    return s if mode != "argmax" else (s, torch.full(shape + (lq,), -1, device=device, dtype=torch.int32))
+    dev = queries.device
+    s = torch.zeros(shape, device=dev, dtype=_score_dtype(queries))
+    return s if mode != "argmax" else (s, torch.full(shape + (lq,), -1, device=dev, dtype=torch.int32))
 
 
 def _i32(argmax: Tensor) -> Tensor:
@@ -234,7 +235,7 @@ def _candidates(queries, documents, query_lengths, doc_lengths, *, mode, validat
             _validate_lengths("doc_lengths", doc_lengths, Ld)
     dev = queries.device
     if B * K == 0:
-        return _empty_result((B, K), Lq, dev, mode, _score_dtype(queries))
+        return _empty_result((B, K), Lq, queries, mode)
     q_start, q_len = _padded_segments(B, Lq, query_lengths, dev)
     d_start, d_len = _padded_segments(B * K, Ld, doc_lengths, dev)
     kind = _argmax_kind(mode == "train", mode == "argmax", Ld)
@@ -303,7 +304,7 @@ def _contrastive(queries, documents, document_offsets, query_lengths, *, mode, v
             _validate_lengths("query_lengths", query_lengths, Lq)
     dev = queries.device
     if Nq * Nb == 0:
-        return _empty_result((Nq, Nb), Lq, dev, mode, _score_dtype(queries))
+        return _empty_result((Nq, Nb), Lq, queries, mode)
     q_start, q_len = _padded_segments(Nq, Lq, query_lengths, dev)
     d_start, d_len = _offset_segments(document_offsets, T)
     kind = _argmax_kind(mode == "train", mode == "argmax", T)
@@ -381,7 +382,7 @@ def _pairs(queries, query_offsets, documents, document_offsets, pair_query_ids, 
     P = pair_query_ids.shape[0]
     dev = queries.device
     if P == 0:
-        return _empty_result((0,), lq, dev, mode, _score_dtype(queries))
+        return _empty_result((0,), lq, queries, mode)
     kind = _argmax_kind(mode == "train", mode == "argmax", Td)
     scores, argmax = _run(queries.contiguous(), q_start, q_len, None, documents.contiguous(), d_start,
                           d_len, None, pair_query_ids.to(torch.int32).contiguous(),
