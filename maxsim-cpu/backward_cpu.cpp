@@ -9,6 +9,7 @@
 // they are touched once (no zero-fill pass). Rows outside every segment are
 // zeroed separately. Assumes segments of one side do not overlap, as the
 // Python lowering makes them.
+#include "normalize_rows.h"
 #include "tile_kernels.h"
 #include "torch_binding.h"
 
@@ -69,8 +70,13 @@ void backward_impl(const float* grad, const T* q, const T* d, int64_t Tq, int64_
                    const int32_t* qs, const int32_t* ql, int64_t Nq, const int32_t* ds,
                    const int32_t* dl, int64_t Nd, const int32_t* pq, const int32_t* pd,
                    const A* am, int64_t P, int64_t lq, int64_t layout, const int32_t* qptr,
-                   const int32_t* qpairs, const int32_t* dptr, const int32_t* dpairs, T* dq,
-                   T* dd) {
+                   const int32_t* qpairs, const int32_t* dptr, const int32_t* dpairs, bool normalize,
+                   T* dq, T* dd) {
+  // normalize: gathered rows are x^ = x * inv, so contributions carry their
+  // row's inverse norm, and each owned fp32 row sum gets the Jacobian of the
+  // normalisation before it is rounded.
+  const auto qinv = inv_row_norms<float>(normalize && dd, q, Tq, dim, kNormEps);
+  const auto dinv = inv_row_norms<float>(normalize && dq, d, Td, dim, kNormEps);
   const int64_t K = (layout == kGrouped && Nq > 0) ? Nd / Nq : 0;
   auto qid = [&](int64_t p) -> int64_t {
     return layout == kCross ? p / Nd : layout == kGrouped ? p / K : pq[p];
@@ -122,12 +128,17 @@ void backward_impl(const float* grad, const T* q, const T* d, int64_t Tq, int64_
           q_pairs_of(n, [&](int64_t p) {
             int64_t nq, nd;
             if (p < 0 || p >= P || qid(p) != n || !pair_rows(p, nq, nd)) return;
-            const T* drow = d + int64_t(ds[did(p)]) * dim;
+            const int64_t d0 = ds[did(p)];
+            const T* drow = d + d0 * dim;
             for (int64_t i = i0; i < i1; ++i) {
               const int64_t a = am[p * lq + i];
-              if (a >= 0 && a < nd) axpy(acc + (i - i0) * dim, grad[p], drow + a * dim, dim);
+              if (a >= 0 && a < nd)
+                axpy(acc + (i - i0) * dim, normalize ? grad[p] * dinv[d0 + a] : grad[p], drow + a * dim, dim);
             }
           });
+          if (normalize)
+            for (int64_t i = i0; i < i1; ++i)
+              normalize_grad_row(acc + (i - i0) * dim, q + (qs[n] + i) * dim, dim, kNormEps);
           store_rows(dq + (qs[n] + i0) * dim, acc, (i1 - i0) * dim);
         }
     });
@@ -160,12 +171,17 @@ void backward_impl(const float* grad, const T* q, const T* d, int64_t Tq, int64_
           d_pairs_of(m, [&](int64_t p) {
             int64_t nq, nd;
             if (p < 0 || p >= P || did(p) != m || !pair_rows(p, nq, nd)) return;
-            const T* qrow = q + int64_t(qs[qid(p)]) * dim;
+            const int64_t q0 = qs[qid(p)];
+            const T* qrow = q + q0 * dim;
             for (int64_t i = 0; i < nq; ++i) {
               const int64_t a = am[p * lq + i];
-              if (a >= j0 && a < j1) axpy(acc + (a - j0) * dim, grad[p], qrow + i * dim, dim);
+              if (a >= j0 && a < j1)
+                axpy(acc + (a - j0) * dim, normalize ? grad[p] * qinv[q0 + i] : grad[p], qrow + i * dim, dim);
             }
           });
+          if (normalize)
+            for (int64_t j = j0; j < j1; ++j)
+              normalize_grad_row(acc + (j - j0) * dim, d + (ds[m] + j) * dim, dim, kNormEps);
           store_rows(dd + (ds[m] + j0) * dim, acc, (j1 - j0) * dim);
         }
     });
@@ -187,7 +203,7 @@ std::tuple<at::Tensor, at::Tensor> backward_cpu(
     const std::optional<at::Tensor>& pair_d, const at::Tensor& argmax, int64_t layout,
     const std::optional<at::Tensor>& q_ptr, const std::optional<at::Tensor>& q_pairs,
     const std::optional<at::Tensor>& d_ptr, const std::optional<at::Tensor>& d_pairs,
-    bool need_dq, bool need_dd) {
+    bool need_dq, bool need_dd, bool normalize) {
   TORCH_CHECK(q.device().is_cpu() && d.device().is_cpu(), "maxsim backward_cpu: CPU tensors expected");
   TORCH_CHECK(q.dim() == 2 && d.dim() == 2 && q.size(1) == d.size(1),
               "maxsim backward_cpu: q and d must be [T, dim] with the same dim");
@@ -248,7 +264,7 @@ std::tuple<at::Tensor, at::Tensor> backward_cpu(
       backward_impl(grad.data_ptr<float>(), q.data_ptr<scalar_t>(), d.data_ptr<scalar_t>(),
                     q.size(0), d.size(0), q.size(1), q_start.data_ptr<int32_t>(),
                     q_len.data_ptr<int32_t>(), Nq, d_start.data_ptr<int32_t>(),
-                    d_len.data_ptr<int32_t>(), Nd, pq, pd, am, P, lq, layout, qp, qpp, dp, dpp,
+                    d_len.data_ptr<int32_t>(), Nd, pq, pd, am, P, lq, layout, qp, qpp, dp, dpp, normalize,
                     need_dq ? dq.data_ptr<scalar_t>() : nullptr,
                     need_dd ? dd.data_ptr<scalar_t>() : nullptr);
     };

@@ -14,6 +14,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "normalize_rows.h"
 #include "tile_kernels.h"
 #include "torch_binding.h"
 
@@ -27,6 +28,7 @@ struct Fwd {
   int64_t dim, Tq, Td, Nq, Nd, lq, DT;
   const int32_t *qs, *ql, *ds, *dl;
   const bool *qm, *dm;
+  const float *qsc, *dsc;  // inverse row norms (normalize), else null
   float* score;
   int32_t* am32;
   int16_t* am16;
@@ -94,7 +96,8 @@ struct Worker {
       const int64_t stride = blknv[r / QW] * W;
       const T* src = f.q + qsrc[r] * f.dim;
       float* dst = qbuf + blkoff[r / QW] + r % QW;
-      for (int64_t k = 0; k < f.dim; ++k) dst[k * stride] = to_f32(src[k]);
+      const float s = f.qsc ? f.qsc[qsrc[r]] : 1.f;
+      for (int64_t k = 0; k < f.dim; ++k) dst[k * stride] = to_f32(src[k]) * s;
     }
   }
 
@@ -102,7 +105,7 @@ struct Worker {
   // states of every packed query block.
   void fold(int64_t d0, int64_t jb, int64_t je) {
     const int64_t dim = f.dim;
-    const bool direct = std::is_same<T, float>::value && !f.dm;  // rows read in place
+    const bool direct = std::is_same<T, float>::value && !f.dm && !f.dsc;  // rows read in place
     for (int64_t c0 = jb; c0 < je; c0 += f.DT) {
       const int64_t c1 = std::min(je, c0 + f.DT);
       const float* rows;
@@ -114,7 +117,10 @@ struct Worker {
         float* buf = ds_.get(size_t(f.DT * dim));
         for (int64_t j = c0; j < c1; ++j) {
           if (f.dm && !f.dm[d0 + j]) continue;
-          row_to_f32(f.d + (d0 + j) * dim, buf + nr * dim, dim);
+          float* row = buf + nr * dim;
+          row_to_f32(f.d + (d0 + j) * dim, row, dim);
+          if (f.dsc)
+            for (int64_t k = 0; k < dim; ++k) row[k] *= f.dsc[d0 + j];
           jmap[nr++] = int32_t(j);
         }
         rows = buf;
@@ -239,8 +245,8 @@ void merge_parts(const Fwd<T>& f, int64_t P, int64_t S, const float* pv, const i
 template <class Ids>
 void forward_f64(const double* q, const double* d, int64_t dim, int64_t Tq, int64_t Td, int64_t Nq, int64_t Nd,
                  int64_t lq, const int32_t* qs, const int32_t* ql, const int32_t* ds, const int32_t* dl,
-                 const bool* qm, const bool* dm, int64_t P, const Ids& ids, double* score, int32_t* am32,
-                 int16_t* am16) {
+                 const bool* qm, const bool* dm, const double* qsc, const double* dsc, int64_t P, const Ids& ids,
+                 double* score, int32_t* am32, int16_t* am16) {
   at::parallel_for(0, P, 16, [&](int64_t b, int64_t e) {
     for (int64_t p = b; p < e; ++p) {
       auto [n, m] = ids(p);
@@ -262,6 +268,7 @@ void forward_f64(const double* q, const double* d, int64_t dim, int64_t Tq, int6
           const double* dj = d + (d0 + j) * dim;
           double v = 0;
           for (int64_t k = 0; k < dim; ++k) v += qi[k] * dj[k];
+          if (qsc) v *= qsc[qs[n] + i] * dsc[d0 + j];
           if (!(v <= val) && val == val) val = v, a = j;
         }
         if (a < 0) val = -std::numeric_limits<double>::infinity(), a = first;
@@ -288,7 +295,7 @@ std::tuple<at::Tensor, at::Tensor> forward_cpu(
     const at::Tensor& d_start, const at::Tensor& d_len,
     const std::optional<at::Tensor>& d_mask, const std::optional<at::Tensor>& pair_q,
     const std::optional<at::Tensor>& pair_d, int64_t layout, int64_t lq,
-    int64_t argmax_kind, bool /*tf32: exact fp32 only on CPU*/) {
+    int64_t argmax_kind, bool /*tf32: exact fp32 only on CPU*/, bool normalize) {
   TORCH_CHECK(q.device().is_cpu() && d.device().is_cpu(), "maxsim forward_cpu: CPU tensors expected");
   TORCH_CHECK(q.dim() == 2 && d.dim() == 2 && q.size(1) == d.size(1),
               "maxsim forward_cpu: q and d must be [T, dim] with the same dim");
@@ -346,10 +353,13 @@ std::tuple<at::Tensor, at::Tensor> forward_cpu(
                                 : std::make_pair(int64_t(pq[p]), int64_t(pd[p]));
   };
   if (f64) {
+    const auto qsc = inv_row_norms<double>(normalize, q.data_ptr<double>(), q.size(0), dim, kNormEps);
+    const auto dsc = inv_row_norms<double>(normalize, d.data_ptr<double>(), d.size(0), dim, kNormEps);
     forward_f64(q.data_ptr<double>(), d.data_ptr<double>(), dim, q.size(0), d.size(0), Nq, Nd, lq,
                 q_start.data_ptr<int32_t>(), q_len.data_ptr<int32_t>(), d_start.data_ptr<int32_t>(),
                 d_len.data_ptr<int32_t>(), q_mask ? q_mask->data_ptr<bool>() : nullptr,
-                d_mask ? d_mask->data_ptr<bool>() : nullptr, P, ids, scores.data_ptr<double>(),
+                d_mask ? d_mask->data_ptr<bool>() : nullptr, normalize ? qsc.data() : nullptr,
+                normalize ? dsc.data() : nullptr, P, ids, scores.data_ptr<double>(),
                 argmax_kind == kArgmaxI32 ? argmax.data_ptr<int32_t>() : nullptr,
                 argmax_kind == kArgmaxI16 ? argmax.data_ptr<int16_t>() : nullptr);
     return {scores, argmax};
@@ -364,6 +374,10 @@ std::tuple<at::Tensor, at::Tensor> forward_cpu(
     f.ds = d_start.data_ptr<int32_t>(), f.dl = d_len.data_ptr<int32_t>();
     f.qm = q_mask ? q_mask->data_ptr<bool>() : nullptr;
     f.dm = d_mask ? d_mask->data_ptr<bool>() : nullptr;
+    const auto qsc = inv_row_norms<float>(normalize, f.q, f.Tq, dim, kNormEps);
+    const auto dsc = inv_row_norms<float>(normalize, f.d, f.Td, dim, kNormEps);
+    f.qsc = normalize ? qsc.data() : nullptr;
+    f.dsc = normalize ? dsc.data() : nullptr;
     f.score = scores.data_ptr<float>();
     f.am32 = argmax_kind == kArgmaxI32 ? argmax.data_ptr<int32_t>() : nullptr;
     f.am16 = argmax_kind == kArgmaxI16 ? argmax.data_ptr<int16_t>() : nullptr;
@@ -431,7 +445,7 @@ std::tuple<at::Tensor, at::Tensor> forward_quant_cpu(
   const at::Tensor qf = (q.to(at::kFloat) * q_scale.unsqueeze(1)).contiguous();
   const at::Tensor df = (d.to(at::kFloat) * d_scale.unsqueeze(1)).contiguous();
   return forward_cpu(qf, q_start, q_len, q_mask, df, d_start, d_len, d_mask, pair_q, pair_d, layout, lq,
-                     argmax_kind, false);
+                     argmax_kind, false, false);
 }
 
 }  // namespace maxsim

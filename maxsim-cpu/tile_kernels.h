@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -63,6 +64,41 @@ template <class T> inline T from_f32(float x) { return static_cast<T>(x); }
 template <class T>
 inline void row_to_f32(const T* __restrict src, float* __restrict dst, int64_t n) {
   for (int64_t k = 0; k < n; ++k) dst[k] = to_f32(src[k]);
+}
+
+// ------------------------------------------------------------ normalize --
+// The `normalize` flag (torch_binding.h): rows scaled by 1 / max(|x|, eps)
+// as they are converted to fp32, so no normalised copy is ever written.
+inline double to_f64(double x) { return x; }
+template <class T> inline double to_f64(T x) { return double(to_f32(x)); }
+
+template <class T>
+inline double row_norm(const T* __restrict x, int64_t dim) {
+  double ss = 0;
+  for (int64_t k = 0; k < dim; ++k) ss += to_f64(x[k]) * to_f64(x[k]);
+  return std::sqrt(ss);
+}
+
+// 1 / max(|x_r|, eps) for rows [0, n), or empty when `on` is false.
+template <class S, class T>
+std::vector<S> inv_row_norms(bool on, const T* x, int64_t n, int64_t dim, double eps) {
+  std::vector<S> inv(on ? n : 0);
+  if (on)
+    at::parallel_for(0, n, 256, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) inv[r] = S(1.0 / std::max(row_norm(x + r * dim, dim), eps));
+    });
+  return inv;
+}
+
+// In place on the fp32 row sum g = dL/dx^ of row x: dL/dx = (g - x^ <x^, g>) / |x|
+// (g / eps under the clamp).
+template <class T>
+inline void normalize_grad_row(float* __restrict g, const T* __restrict x, int64_t dim, double eps) {
+  const double nrm = row_norm(x, dim), inv = 1.0 / std::max(nrm, eps);
+  double c = 0;
+  if (nrm >= eps)
+    for (int64_t k = 0; k < dim; ++k) c += to_f64(x[k]) * inv * double(g[k]);
+  for (int64_t k = 0; k < dim; ++k) g[k] = float(inv * (double(g[k]) - to_f64(x[k]) * inv * c));
 }
 
 // ------------------------------------------------------------- segments --

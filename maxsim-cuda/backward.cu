@@ -3,7 +3,9 @@
 //
 // Two launches on the current stream, no host synchronisation, no
 // workspace: dq_kernel (when dq is needed), then dd_kernel (when dd is
-// needed). Outputs are allocated uninitialised and fully written by the
+// needed). Under normalize, first the inverse row norms, then the kernels
+// write fp32 row sums that normalize_grad turns into dq / dd (a workspace of
+// fp32 rows, so the Jacobian sees unrounded sums). Outputs are allocated uninitialised and fully written by the
 // kernels (segment rows by their owners, the rows between segments by the
 // gap rule in backward_kernels.cuh), so there is no memset either; when there
 // is nothing to compute (P == 0, lq == 0, no segments) they come back as
@@ -27,6 +29,7 @@
 #include <algorithm>
 
 #include "backward_kernels.cuh"
+#include "normalize_rows.cuh"
 #include "torch_binding.h"
 
 namespace maxsim {
@@ -56,20 +59,20 @@ int ilog2(int x) {
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
-template <class T, class A, int VEC>
+template <class T, class A, int VEC, class O>
 void set_dd_smem(size_t smem) {
   static int set_bytes[64] = {0};  // per device, raised monotonically
   if (smem <= 48 * 1024) return;
   int dev = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
   if (dev >= 64 || (int)smem > set_bytes[dev]) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(dd_kernel<T, A, VEC>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(dd_kernel<T, A, VEC, O>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     if (dev < 64) set_bytes[dev] = (int)smem;
   }
 }
 
 // Resident CTAs per SM allowed by registers / threads (shared memory apart).
-template <class T, class A, int VEC>
+template <class T, class A, int VEC, class O>
 void base_occupancy(int& occ_dq, int& occ_dd) {
   static int cache[64][2] = {{0}};
   int dev = 0;
@@ -79,8 +82,8 @@ void base_occupancy(int& occ_dq, int& occ_dd) {
     occ_dd = cache[dev][1];
     return;
   }
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_dq, dq_kernel<T, A, VEC>, kThreads, 0));
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_dd, dd_kernel<T, A, VEC>, kThreads, 0));
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_dq, dq_kernel<T, A, VEC, O>, kThreads, 0));
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_dd, dd_kernel<T, A, VEC, O>, kThreads, 0));
   occ_dq = std::max(occ_dq, 1);
   occ_dd = std::max(occ_dd, 1);
   if (dev < 64) {
@@ -158,42 +161,51 @@ void plan_dd(BwdParams& p, const cudaDeviceProp* prop, int occ_regs, int NG, siz
   ctas = Nd * best_c * p.H;
 }
 
-template <class T, class A, int VEC>
+template <class T, class A, int VEC, class O>
 void launch(BwdParams& p, bool do_dq, bool do_dd, int NG, cudaStream_t st) {
   const auto* prop = at::cuda::getCurrentDeviceProperties();
   int occ_dq = 1, occ_dd = 1;
-  base_occupancy<T, A, VEC>(occ_dq, occ_dd);
+  base_occupancy<T, A, VEC, O>(occ_dq, occ_dd);
   int64_t n_dq = 0, n_dd = 0;
   size_t smem_dq = 0, smem_dd = 0;
   if (do_dq) plan_dq(p, (int64_t)occ_dq * prop->multiProcessorCount, NG, smem_dq, n_dq);
   if (do_dd) plan_dd(p, prop, occ_dd, NG, smem_dd, n_dd);
   for (int64_t i0 = 0; i0 < n_dq; i0 += kMaxGrid) {
     const int64_t n = std::min(kMaxGrid, n_dq - i0);
-    dq_kernel<T, A, VEC><<<(unsigned)n, kThreads, smem_dq, st>>>(p, i0);
+    dq_kernel<T, A, VEC, O><<<(unsigned)n, kThreads, smem_dq, st>>>(p, i0);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  if (n_dd > 0) set_dd_smem<T, A, VEC>(smem_dd);
+  if (n_dd > 0) set_dd_smem<T, A, VEC, O>(smem_dd);
   for (int64_t i0 = 0; i0 < n_dd; i0 += kMaxGrid) {
     const int64_t n = std::min(kMaxGrid, n_dd - i0);
-    dd_kernel<T, A, VEC><<<(unsigned)n, kThreads, smem_dd, st>>>(p, i0);
+    dd_kernel<T, A, VEC, O><<<(unsigned)n, kThreads, smem_dd, st>>>(p, i0);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }
 
-template <class T>
-void launch_t(bool a16, bool v16, BwdParams& p, bool do_dq, bool do_dd, int NG, cudaStream_t st) {
+template <class T, class O>
+void launch_o(bool a16, bool v16, BwdParams& p, bool do_dq, bool do_dd, int NG, cudaStream_t st) {
   constexpr int kVec = 16 / (int)sizeof(T);
   if (a16) {
     if (v16)
-      launch<T, int16_t, kVec>(p, do_dq, do_dd, NG, st);
+      launch<T, int16_t, kVec, O>(p, do_dq, do_dd, NG, st);
     else
-      launch<T, int16_t, 1>(p, do_dq, do_dd, NG, st);
+      launch<T, int16_t, 1, O>(p, do_dq, do_dd, NG, st);
   } else {
     if (v16)
-      launch<T, int32_t, kVec>(p, do_dq, do_dd, NG, st);
+      launch<T, int32_t, kVec, O>(p, do_dq, do_dd, NG, st);
     else
-      launch<T, int32_t, 1>(p, do_dq, do_dd, NG, st);
+      launch<T, int32_t, 1, O>(p, do_dq, do_dd, NG, st);
   }
+}
+
+// f32_out: fp32 row sums (normalize); for fp32 inputs that is the same kernel.
+template <class T>
+void launch_t(bool f32_out, bool a16, bool v16, BwdParams& p, bool do_dq, bool do_dd, int NG, cudaStream_t st) {
+  if (f32_out && !std::is_same<T, float>::value)
+    launch_o<T, float>(a16, v16, p, do_dq, do_dd, NG, st);
+  else
+    launch_o<T, T>(a16, v16, p, do_dq, do_dd, NG, st);
 }
 
 }  // namespace
@@ -204,7 +216,8 @@ std::tuple<at::Tensor, at::Tensor> backward_cuda(
     const at::Tensor& d_in, const at::Tensor& d_start, const at::Tensor& d_len,
     const std::optional<at::Tensor>& pair_q, const std::optional<at::Tensor>& pair_d, const at::Tensor& argmax_in,
     int64_t layout, const std::optional<at::Tensor>& q_ptr, const std::optional<at::Tensor>& q_pairs,
-    const std::optional<at::Tensor>& d_ptr, const std::optional<at::Tensor>& d_pairs, bool need_dq, bool need_dd) {
+    const std::optional<at::Tensor>& d_ptr, const std::optional<at::Tensor>& d_pairs, bool need_dq, bool need_dd,
+    bool normalize) {
   using namespace cuda_bwd;
   TORCH_CHECK(q_in.is_cuda() && d_in.is_cuda(), "maxsim backward: q and d must be CUDA tensors");
   TORCH_CHECK(q_in.dim() == 2 && d_in.dim() == 2 && q_in.size(1) == d_in.size(1),
@@ -282,10 +295,21 @@ std::tuple<at::Tensor, at::Tensor> backward_cuda(
   at::Tensor dd = !need_dd ? d.new_empty({0}) : (do_dd ? at::empty(d.sizes(), d.options()) : at::zeros(d.sizes(), d.options()));
   if (!do_dq && !do_dd) return {dq, dd};
 
+  // normalize: inverse norms of the gathered side, fp32 row sums out.
+  at::Tensor q_inv, d_inv, gq, gd;
+  if (normalize) {
+    if (do_dd) q_inv = cuda_norm::inv_norms(q);
+    if (do_dq) d_inv = cuda_norm::inv_norms(d);
+    if (do_dq) gq = at::empty(q.sizes(), q.options().dtype(at::kFloat));
+    if (do_dd) gd = at::empty(d.sizes(), d.options().dtype(at::kFloat));
+  }
+  const at::Tensor& out_q = normalize ? gq : dq;
+  const at::Tensor& out_d = normalize ? gd : dd;
+
   // ---- vectors and lane groups --------------------------------------------
   const int64_t esz = q.element_size();
   const bool v16 = (dim * esz) % 16 == 0 && aligned16(q.data_ptr()) && aligned16(d.data_ptr()) &&
-                   (!do_dq || aligned16(dq.data_ptr())) && (!do_dd || aligned16(dd.data_ptr()));
+                   (!do_dq || aligned16(out_q.data_ptr())) && (!do_dd || aligned16(out_d.data_ptr()));
   const int VEC = v16 ? (int)(16 / esz) : 1;
   const int64_t nvec = dim / VEC;
   const int G = std::min(32, std::max(8, ceil_pow2(nvec)));
@@ -302,12 +326,14 @@ std::tuple<at::Tensor, at::Tensor> backward_cuda(
   p.pair_q = pq.defined() ? pq.data_ptr<int>() : nullptr;
   p.pair_d = pd.defined() ? pd.data_ptr<int>() : nullptr;
   p.argmax = argmax.data_ptr();
+  p.q_scale = q_inv.defined() ? q_inv.data_ptr<float>() : nullptr;
+  p.d_scale = d_inv.defined() ? d_inv.data_ptr<float>() : nullptr;
   p.q_ptr = qp.defined() ? qp.data_ptr<int>() : nullptr;
   p.q_pairs = qpp.defined() ? qpp.data_ptr<int>() : nullptr;
   p.d_ptr = dp.defined() ? dp.data_ptr<int>() : nullptr;
   p.d_pairs = dpp.defined() ? dpp.data_ptr<int>() : nullptr;
-  p.dq = do_dq ? dq.data_ptr() : nullptr;
-  p.dd = do_dd ? dd.data_ptr() : nullptr;
+  p.dq = do_dq ? out_q.data_ptr() : nullptr;
+  p.dd = do_dd ? out_d.data_ptr() : nullptr;
   p.Tq = Tq;
   p.Td = Td;
   p.dim = dim;
@@ -325,11 +351,15 @@ std::tuple<at::Tensor, at::Tensor> backward_cuda(
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const bool a16 = argmax.scalar_type() == at::kShort;
   if (dtype == at::kHalf)
-    launch_t<__half>(a16, v16, p, do_dq, do_dd, NG, stream);
+    launch_t<__half>(normalize, a16, v16, p, do_dq, do_dd, NG, stream);
   else if (dtype == at::kBFloat16)
-    launch_t<__nv_bfloat16>(a16, v16, p, do_dq, do_dd, NG, stream);
+    launch_t<__nv_bfloat16>(normalize, a16, v16, p, do_dq, do_dd, NG, stream);
   else
-    launch_t<float>(a16, v16, p, do_dq, do_dd, NG, stream);
+    launch_t<float>(normalize, a16, v16, p, do_dq, do_dd, NG, stream);
+  if (normalize) {
+    if (do_dq) cuda_norm::normalize_grad(gq, q, dq);
+    if (do_dd) cuda_norm::normalize_grad(gd, d, dd);
+  }
   return {dq, dd};
 }
 

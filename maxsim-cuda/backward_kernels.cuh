@@ -30,6 +30,12 @@
 //   drains its queue: loads the query row (16-byte vectors, kRing in flight)
 //   and adds grad * q into its own tile rows. A tile row is only ever touched
 //   by its owner group, in entry order: no races, fixed summation order.
+//
+// normalize (torch_binding.h): p.q_scale / p.d_scale hold the inverse row
+// norms; each gathered row's contribution carries its row's scale (dq: the
+// document row's, loaded with the row; dd: the query row's, staged with the
+// grad), and the kernels write the fp32 row sums (O = float) for the
+// Jacobian pass in normalize_rows.cuh.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -37,6 +43,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace maxsim {
 namespace cuda_bwd {
@@ -60,11 +67,13 @@ struct BwdParams {
   const int* pair_q;  // LIST only
   const int* pair_d;
   const void* argmax;  // [P, lq] int32 / int16
+  const float* q_scale;  // normalize: [Tq] inverse row norms (dd), else null
+  const float* d_scale;  // normalize: [Td] inverse row norms (dq), else null
   const int* q_ptr;    // LIST, dq only: [Nq + 1]
   const int* q_pairs;  // [P]
   const int* d_ptr;    // LIST, dd only: [Nd + 1]
   const int* d_pairs;  // [P]
-  void* dq;            // [Tq, dim] (input dtype)
+  void* dq;            // [Tq, dim] (input dtype; fp32 under normalize)
   void* dd;            // [Td, dim]
   int64_t Tq, Td, dim, Nq, Nd, P, K;
   int lq, layout;
@@ -190,6 +199,22 @@ struct Vec<T, 1> {  // scalar fallback (rows not 16-byte aligned)
   static __device__ __forceinline__ raw_t pack(const float (&f)[1]) { return from_f<T>(f[0]); }
 };
 
+// One lane's VEC fp32 values stored to an output row: packed to T, or as
+// fp32 (O = float, the row sums of normalize; 16-byte aligned when VEC >= 4).
+template <class T, class O, int VEC>
+__device__ __forceinline__ void store_out(O* __restrict__ p, const float (&f)[VEC]) {
+  if constexpr (!std::is_same<O, float>::value) {
+    Vec<O, VEC>::store(p, Vec<O, VEC>::pack(f));
+  } else if constexpr (VEC % 4 == 0) {
+#pragma unroll
+    for (int h = 0; h < VEC / 4; ++h)
+      reinterpret_cast<float4*>(p)[h] = make_float4(f[4 * h], f[4 * h + 1], f[4 * h + 2], f[4 * h + 3]);
+  } else {
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) p[e] = f[e];
+  }
+}
+
 // ---------------------------------------------------------------------------
 // Segments and pairs.
 // ---------------------------------------------------------------------------
@@ -217,24 +242,27 @@ __device__ __forceinline__ void seg_gap(const int* __restrict__ start, int rows,
 }
 
 // Zeroes rows first, first + stride, ... of [r0, r1) (vector column `col`).
-template <class T, int VEC>
-__device__ __forceinline__ void zero_rows(T* __restrict__ out, int64_t dim, int64_t r0, int64_t r1, int64_t first,
+template <class T, class O, int VEC>
+__device__ __forceinline__ void zero_rows(O* __restrict__ out, int64_t dim, int64_t r0, int64_t r1, int64_t first,
                                           int64_t stride, int64_t col, bool vok) {
   if (!vok) return;
-  for (int64_t r = r0 + first; r < r1; r += stride) Vec<T, VEC>::store(out + r * dim + col, Vec<T, VEC>::zero());
+  float z[VEC];
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) z[e] = 0.f;
+  for (int64_t r = r0 + first; r < r1; r += stride) store_out<T, O, VEC>(out + r * dim + col, z);
 }
 
 // Zeroes the gap of segment n (and the prefix before segment 0), rows split
 // over `nparts` CTAs (this one: `part`) and NG groups (this one: gi).
-template <class T, int VEC>
-__device__ __forceinline__ void zero_gap(T* __restrict__ out, const int* __restrict__ start, int rows, int64_t n,
+template <class T, class O, int VEC>
+__device__ __forceinline__ void zero_gap(O* __restrict__ out, const int* __restrict__ start, int rows, int64_t n,
                                          int64_t N, int64_t total, int64_t dim, int part, int nparts, int gi, int NG,
                                          int64_t col, bool vok) {
   int64_t z0, z1;
   seg_gap(start, rows, n, N, total, z0, z1);
   const int64_t first = part + (int64_t)gi * nparts, stride = (int64_t)NG * nparts;
-  zero_rows<T, VEC>(out, dim, z0, z1, first, stride, col, vok);
-  if (n == 0) zero_rows<T, VEC>(out, dim, 0, clamp_row(start[0], total), first, stride, col, vok);
+  zero_rows<T, O, VEC>(out, dim, z0, z1, first, stride, col, vok);
+  if (n == 0) zero_rows<T, O, VEC>(out, dim, 0, clamp_row(start[0], total), first, stride, col, vok);
 }
 
 // Pairs of query n: count, and pair k -> (pair id, doc id). False: skip.
@@ -330,7 +358,7 @@ __device__ __forceinline__ void smem_read(const float* __restrict__ row, int l, 
 // dq
 // ---------------------------------------------------------------------------
 // Dynamic shared memory: max(PC * 20 + PC * BR * 4, kThreads * VEC * 4) bytes.
-template <class T, class A, int VEC>
+template <class T, class A, int VEC, class O>
 __global__ void __launch_bounds__(kThreads, 3) dq_kernel(const BwdParams p, int64_t item0) {
   using V = Vec<T, VEC>;
   using raw_t = typename V::raw_t;
@@ -353,7 +381,8 @@ __global__ void __launch_bounds__(kThreads, 3) dq_kernel(const BwdParams p, int6
   const int lq = p.lq;
   const T* __restrict__ dsrc = static_cast<const T*>(p.d);
   const A* __restrict__ am = static_cast<const A*>(p.argmax);
-  T* __restrict__ out = static_cast<T*>(p.dq);
+  O* __restrict__ out = static_cast<O*>(p.dq);
+  const float* __restrict__ dsc = p.d_scale;
 
   const int qrows = seg_rows(p.q_start, p.q_len, n, lq, p.Tq);
   const int BR = 1 << p.lgBR, S = p.S, PC = p.PC;
@@ -410,9 +439,12 @@ __global__ void __launch_bounds__(kThreads, 3) dq_kernel(const BwdParams p, int6
         // Ring of kRing row loads in flight; the grad and the validity of
         // an item are read back from shared memory when it is consumed.
         raw_t buf[kRing];
+        float bsc[kRing];  // the rows' inverse norms (normalize)
         auto fetch = [&](int kk, int u) {
           const int a = kk < khi ? c_am[kk * BR + r] : -1;
-          buf[u] = a >= 0 ? V::load(dsrc + ((int64_t)c_ds[kk] + a) * dim + col) : V::zero();
+          const int64_t row = (int64_t)c_ds[kk] + a;
+          buf[u] = a >= 0 ? V::load(dsrc + row * dim + col) : V::zero();
+          bsc[u] = dsc != nullptr && a >= 0 ? __ldg(dsc + row) : 1.f;
         };
 #pragma unroll
         for (int u = 0; u < kRing; ++u) fetch(klo + u, u);
@@ -421,7 +453,7 @@ __global__ void __launch_bounds__(kThreads, 3) dq_kernel(const BwdParams p, int6
           for (int u = 0; u < kRing; ++u) {
             const int k2 = kk + u;
             if (k2 < khi && c_am[k2 * BR + r] >= 0) {
-              const float g = c_g[k2];
+              const float g = c_g[k2] * bsc[u];
               float f[VEC];
               V::unpack(buf[u], f);
 #pragma unroll
@@ -448,9 +480,9 @@ __global__ void __launch_bounds__(kThreads, 3) dq_kernel(const BwdParams p, int6
       }
     }
   }
-  if (s == 0 && i < qrows && vok) V::store(out + ((int64_t)p.q_start[n] + i) * dim + col, V::pack(acc));
+  if (s == 0 && i < qrows && vok) store_out<T, O, VEC>(out + ((int64_t)p.q_start[n] + i) * dim + col, acc);
 
-  zero_gap<T, VEC>(out, p.q_start, qrows, n, p.Nq, p.Tq, dim, b, p.NB, gi, NG, col, vok);
+  zero_gap<T, O, VEC>(out, p.q_start, qrows, n, p.Nq, p.Tq, dim, b, p.NB, gi, NG, col, vok);
 }
 
 // ---------------------------------------------------------------------------
@@ -461,7 +493,7 @@ __host__ __device__ constexpr size_t dd_fixed_smem() {
 }
 
 // Dynamic shared memory: R * G * VEC * 4 + dd_fixed_smem() bytes.
-template <class T, class A, int VEC>
+template <class T, class A, int VEC, class O>
 __global__ void __launch_bounds__(kThreads, 2) dd_kernel(const BwdParams p, int64_t item0) {
   using V = Vec<T, VEC>;
   using raw_t = typename V::raw_t;
@@ -486,7 +518,7 @@ __global__ void __launch_bounds__(kThreads, 2) dd_kernel(const BwdParams p, int6
   const int DCf = G * VEC;  // floats per tile row
   const T* __restrict__ qsrc = static_cast<const T*>(p.q);
   const A* __restrict__ am = static_cast<const A*>(p.argmax);
-  T* __restrict__ out = static_cast<T*>(p.dd);
+  O* __restrict__ out = static_cast<O*>(p.dd);
 
   float* acc = reinterpret_cast<float*>(smem);                            // [R][DCf]
   int* q_row = reinterpret_cast<int*>(acc + (size_t)R * DCf);            // [kChunk]
@@ -538,8 +570,8 @@ __global__ void __launch_bounds__(kThreads, 2) dd_kernel(const BwdParams p, int6
               const int64_t a = (int64_t)am[pr * lq + ii];
               if (a >= r0 && a < r0 + rlen) {
                 tg[t] = (int)(a - r0);
-                gv[t] = p.grad[pr];
                 qr[t] = p.q_start[n] + ii;
+                gv[t] = p.q_scale != nullptr ? p.grad[pr] * p.q_scale[qr[t]] : p.grad[pr];
               }
             }
           }
@@ -624,13 +656,13 @@ __global__ void __launch_bounds__(kThreads, 2) dd_kernel(const BwdParams p, int6
       for (int rr = gi; rr < rlen; rr += NG) {
         float f[VEC];
         smem_read<VEC>(acc + (size_t)rr * DCf, l, G, f);
-        V::store(out + (ds + r0 + rr) * dim + col, V::pack(f));
+        store_out<T, O, VEC>(out + (ds + r0 + rr) * dim + col, f);
       }
     }
     __syncthreads();  // the next pass clears the tile
   }
 
-  zero_gap<T, VEC>(out, p.d_start, drows, j, p.Nd, p.Td, dim, c, p.C, gi, NG, col, vok);
+  zero_gap<T, O, VEC>(out, p.d_start, drows, j, p.Nd, p.Td, dim, c, p.C, gi, NG, col, vok);
 }
 
 }  // namespace cuda_bwd

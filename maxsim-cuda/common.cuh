@@ -29,8 +29,9 @@ struct FwdParams {
   const bool* d_mask;  // nullable
   const int* pair_q;   // LIST only
   const int* pair_d;
-  // Quantized inputs (int8 / fp8 e4m3 tokens, forward_quant only): the value
-  // of token row r is scale[r] * stored row. Null for float inputs.
+  // Per-token scales: the value of token row r is scale[r] * stored row.
+  // 8-bit tokens (forward_quant) always; float tokens under `normalize`
+  // (inverse row norms); else null.
   const float* q_scale;  // [Tq]
   const float* d_scale;  // [Td]
   int64_t Tq, Td;
@@ -348,6 +349,7 @@ struct Mma<__half> {
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
   }
+  static __device__ __forceinline__ float value(float acc) { return acc; }
 };
 template <>
 struct Mma<__nv_bfloat16> {
@@ -357,6 +359,7 @@ struct Mma<__nv_bfloat16> {
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
   }
+  static __device__ __forceinline__ float value(float acc) { return acc; }
 };
 template <>
 struct Mma<float> {  // TF32 (operands passed as raw fp32 bits)
@@ -366,6 +369,7 @@ struct Mma<float> {  // TF32 (operands passed as raw fp32 bits)
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
   }
+  static __device__ __forceinline__ float value(float acc) { return acc; }
 };
 
 // 8-bit k-step (m16n8k32): its A / B fragments hold the same bytes as the

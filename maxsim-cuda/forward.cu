@@ -16,6 +16,12 @@
 // longest document is unknown on the host, so splits are sized from the mean
 // document length and every CTA derives its token range from d_len on device.
 //
+// normalize: inverse row norms (normalize_rows.cuh) go in as per-token
+// scales: the tensor-core kernel's scaled variant applies them like 8-bit
+// token scales (doc token before the max, query row after it), the SIMT
+// kernel as it converts rows; no normalised copy is written. The wgmma path
+// has no scaled variant, so normalize stays on the mma.sync kernel.
+//
 // Hook for other kernels (e.g. a wgmma path for large lq on sm_90): plug in at
 // the "path selection" block of forward_cuda; FwdParams carries everything
 // the work decomposition and the finalize kernels need.
@@ -27,6 +33,7 @@
 #include "forward_mma.cuh"
 #include "forward_simt.cuh"
 #include "forward_wgmma.cuh"
+#include "normalize_rows.cuh"
 #include "torch_binding.h"
 
 namespace maxsim {
@@ -101,7 +108,16 @@ __global__ void __launch_bounds__(256) finalize_rows_kernel(FwdParams p) {
 }
 
 void run_mma_any(at::ScalarType t, int cfg, bool arg, const FwdParams& p, int64_t item0, int64_t n, size_t smem,
-                 cudaStream_t st) {
+                 cudaStream_t st, bool scaled) {
+  if (scaled) {  // float tokens under normalize
+    if (t == at::kHalf)
+      run_mma_scaled<__half>(cfg, arg, p, item0, n, smem, st);
+    else if (t == at::kBFloat16)
+      run_mma_scaled<__nv_bfloat16>(cfg, arg, p, item0, n, smem, st);
+    else
+      run_mma_scaled<float>(cfg, arg, p, item0, n, smem, st);
+    return;
+  }
   if (t == at::kHalf)
     run_mma<__half>(cfg, arg, p, item0, n, smem, st);
   else if (t == at::kChar)
@@ -128,7 +144,12 @@ void run_wgmma_any(at::ScalarType t, bool arg, const FwdParams& p, int64_t dim, 
     run_wgmma<__nv_bfloat16>(arg, p, dim, item0, n, num_sms, st);
 }
 
-int occupancy_mma_any(at::ScalarType t, int cfg, bool arg, size_t smem) {
+int occupancy_mma_any(at::ScalarType t, int cfg, bool arg, size_t smem, bool scaled) {
+  if (scaled) {
+    if (t == at::kHalf) return occupancy_mma_scaled<__half>(cfg, arg, smem);
+    if (t == at::kBFloat16) return occupancy_mma_scaled<__nv_bfloat16>(cfg, arg, smem);
+    return occupancy_mma_scaled<float>(cfg, arg, smem);
+  }
   if (t == at::kHalf) return occupancy_mma<__half>(cfg, arg, smem);
   if (t == at::kBFloat16) return occupancy_mma<__nv_bfloat16>(cfg, arg, smem);
   if (t == at::kChar) return occupancy_mma<int8_t>(cfg, arg, smem);
@@ -196,7 +217,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
                                                 const at::Tensor& d_len, const std::optional<at::Tensor>& d_mask,
                                                 const std::optional<at::Tensor>& pair_q,
                                                 const std::optional<at::Tensor>& pair_d, int64_t layout, int64_t lq,
-                                                int64_t argmax_kind, bool tf32) {
+                                                int64_t argmax_kind, bool tf32, bool normalize) {
   TORCH_CHECK(q_in.is_cuda() && d_in.is_cuda(), "maxsim: q and d must be CUDA tensors");
   TORCH_CHECK(q_in.dim() == 2 && d_in.dim() == 2 && q_in.size(1) == d_in.size(1),
               "maxsim: q [Tq, dim] and d [Td, dim] must share dim");
@@ -283,8 +304,14 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
   p.d_mask = dm.defined() ? dm.data_ptr<bool>() : nullptr;
   p.pair_q = pq.defined() ? pq.data_ptr<int>() : nullptr;
   p.pair_d = pd.defined() ? pd.data_ptr<int>() : nullptr;
-  p.q_scale = quant ? q_scale->data_ptr<float>() : nullptr;
-  p.d_scale = quant ? d_scale->data_ptr<float>() : nullptr;
+  at::Tensor q_inv, d_inv;  // normalize: inverse row norms
+  if (normalize && !quant && lq > 0) {
+    q_inv = cuda_norm::inv_norms(q);
+    d_inv = cuda_norm::inv_norms(d);
+  }
+  p.q_scale = quant ? q_scale->data_ptr<float>() : q_inv.defined() ? q_inv.data_ptr<float>() : nullptr;
+  p.d_scale = quant ? d_scale->data_ptr<float>() : d_inv.defined() ? d_inv.data_ptr<float>() : nullptr;
+  const bool scaled = q_inv.defined();  // float tokens with scales
   p.Tq = q.size(0);
   p.Td = d.size(0);
   p.row_bytes = dim * esz;
@@ -349,7 +376,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
   TORCH_CHECK(use_mma || !quant, "maxsim: quantized query tile of dim ", dim, " does not fit in shared memory");
   // sm_90a wgmma + TMA kernel when its 128-row M tile is (nearly) full.
   const int64_t wg_rows = layout == kCross ? std::min<int64_t>(Nq * lq, kWgBM) : std::min<int64_t>(lq, kWgBM);
-  const bool use_wg = use_mma && !quant && dtype != at::kFloat && g_forced_cfg < 0 && prop->major == 9 &&
+  const bool use_wg = use_mma && !quant && !scaled && dtype != at::kFloat && g_forced_cfg < 0 && prop->major == 9 &&
                       wg_rows >= kWgBM && wgmma_shape_ok(p, dim, esz) && wgmma_ready_any(dtype, dim, arg);
 
   const int bm = use_wg ? kWgBM : use_mma ? mma_cfg_info(cfg).bm : kSimtBM;
@@ -370,7 +397,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
   const int64_t items_base = U * p.mt_total;
 
   // ---- doc splits for parallelism (few work items, long docs) ---------------
-  const int occ = use_wg ? 1 : std::max(1, use_mma ? occupancy_mma_any(dtype, cfg, arg, smem) : occupancy_simt_any(dtype, arg));
+  const int occ = use_wg ? 1 : std::max(1, use_mma ? occupancy_mma_any(dtype, cfg, arg, smem, scaled) : occupancy_simt_any(dtype, arg));
   const int64_t slots = (int64_t)occ * num_sms;
   int S = 1;
   if (g_forced_splits > 0) {
@@ -435,7 +462,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
     if (use_wg)
       run_wgmma_any(dtype, arg, p, dim, item0, n, num_sms, stream);
     else if (use_mma)
-      run_mma_any(dtype, cfg, arg, p, item0, n, smem, stream);
+      run_mma_any(dtype, cfg, arg, p, item0, n, smem, stream, scaled);
     else
       run_simt_any(dtype, arg, p, item0, n, stream);
   }
@@ -451,9 +478,9 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q, const at::T
                                                 const at::Tensor& d_len, const std::optional<at::Tensor>& d_mask,
                                                 const std::optional<at::Tensor>& pair_q,
                                                 const std::optional<at::Tensor>& pair_d, int64_t layout, int64_t lq,
-                                                int64_t argmax_kind, bool tf32) {
+                                                int64_t argmax_kind, bool tf32, bool normalize) {
   return cuda_fwd::forward_impl(q, nullptr, q_start, q_len, q_mask, d, nullptr, d_start, d_len, d_mask, pair_q,
-                                pair_d, layout, lq, argmax_kind, tf32);
+                                pair_d, layout, lq, argmax_kind, tf32, normalize);
 }
 
 std::tuple<at::Tensor, at::Tensor> forward_quant_cuda(
@@ -464,7 +491,7 @@ std::tuple<at::Tensor, at::Tensor> forward_quant_cuda(
     int64_t argmax_kind) {
   const at::Tensor qs = q_scale.contiguous(), ds = d_scale.contiguous();
   return cuda_fwd::forward_impl(q, &qs, q_start, q_len, q_mask, d, &ds, d_start, d_len, d_mask, pair_q, pair_d,
-                                layout, lq, argmax_kind, false);
+                                layout, lq, argmax_kind, false, false);
 }
 
 }  // namespace maxsim

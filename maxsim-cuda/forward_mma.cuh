@@ -162,9 +162,12 @@ __device__ __forceinline__ void load_query_tile(const FwdParams& p, uint32_t sds
   }
 }
 
-template <typename T, class C, bool ARG>
+// SC: per-token scales (p.q_scale / p.d_scale): always for 8-bit tokens,
+// and for float tokens under `normalize` (inverse row norms).
+template <typename T, class C, bool ARG, bool SC>
 __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, int64_t item0) {
   constexpr bool QUANT = kIsQuant<T>;
+  static_assert(SC || !QUANT, "8-bit tokens carry scales");
   constexpr int KCB = mma_kchunk(QUANT);
   constexpr int BM = C::BM, BN = C::BN, WM = C::WM, WN = C::WN, NTH = C::NTH;
   constexpr int STAGES = mma_stages(C::STAGES, QUANT);
@@ -186,7 +189,7 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
   __shared__ long long doc_tb[kMmaMaxDpc];
   __shared__ int doc_c0[kMmaMaxDpc], doc_c1[kMmaMaxDpc], doc_tend[kMmaMaxDpc];
   __shared__ unsigned char doc_valid[kMmaMaxDpc];
-  __shared__ float row_scale[QUANT ? BM : 1];
+  __shared__ float row_scale[SC ? BM : 1];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp / WN, wn = warp % WN;
@@ -240,7 +243,7 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
     }
   }
   build_row_table<BM, NTH>(p, w, row_src, row_ok);
-  if (QUANT) {
+  if (SC) {
     __syncthreads();
     for (int r = tid; r < BM; r += NTH) row_scale[r] = row_src[r] >= 0 ? p.q_scale[row_src[r]] : 0.f;
   }
@@ -308,7 +311,7 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
       }
       __syncthreads();
     }
-    if (QUANT) {
+    if (SC) {
       for (int r = tid; r < BM; r += NTH) {
         float v = red_b[0][r];
         if (v != neg_inf()) red_b[0][r] = v * row_scale[r];
@@ -402,13 +405,13 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
       if (it + STAGES - 1 < total) issue(it + STAGES - 1, true);
       cp_async_commit();
 
-      float cs[QUANT ? NT : 1][2];  // doc-token scales of this lane's columns
-      if (QUANT && kc + 1 == p.kch) {
+      float cs[SC ? NT : 1][2];  // doc-token scales of this lane's columns
+      if (SC && kc + 1 == p.kch) {
         const int c0 = doc_c0[cdoc], c1 = doc_c1[cdoc];
         const int col0 = c0 + (jg - cbase) * BN + wn * WTN + 2 * (lane & 3);
         const float* sc = p.d_scale + (doc_tb[cdoc] - c0);
 #pragma unroll
-        for (int jn = 0; jn < (QUANT ? NT : 1); ++jn)
+        for (int jn = 0; jn < (SC ? NT : 1); ++jn)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int col = col0 + jn * 8 + e;
@@ -444,11 +447,11 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
       }
 
       if (++kc == p.kch) {
-        if constexpr (QUANT) {
+        if constexpr (SC) {
 #pragma unroll
           for (int i = 0; i < MT; ++i)
 #pragma unroll
-            for (int jn = 0; jn < (QUANT ? NT : 1); ++jn)
+            for (int jn = 0; jn < (SC ? NT : 1); ++jn)
 #pragma unroll
               for (int e = 0; e < 4; ++e) acc[i][jn][e] = Mma<T>::value(acc[i][jn][e]) * cs[jn][e & 1];
         }
@@ -521,42 +524,48 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
 namespace maxsim {
 namespace cuda_fwd {
 
-template <typename T, int CFG, bool ARG>
+template <typename T, int CFG, bool ARG, bool SC>
 inline void prepare_mma(size_t smem) {
   using C = typename MmaCfgOf<CFG>::type;
   static int set_bytes[64] = {0};  // per device, raised monotonically
   int dev = 0;
   cudaGetDevice(&dev);
   if (dev < 64 && (int)smem > set_bytes[dev]) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(mma_fwd_kernel<T, C, ARG>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    C10_CUDA_CHECK(cudaFuncSetAttribute(mma_fwd_kernel<T, C, ARG, SC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         (int)smem));
     set_bytes[dev] = (int)smem;
   }
 }
 
-template <typename T, int CFG, bool ARG>
+template <typename T, int CFG, bool ARG, bool SC>
 inline void launch_mma_cfg(const FwdParams& p, int64_t item0, int64_t nitems, size_t smem, cudaStream_t stream) {
   using C = typename MmaCfgOf<CFG>::type;
-  prepare_mma<T, CFG, ARG>(smem);
-  mma_fwd_kernel<T, C, ARG><<<(unsigned)nitems, C::NTH, smem, stream>>>(p, item0);
+  prepare_mma<T, CFG, ARG, SC>(smem);
+  mma_fwd_kernel<T, C, ARG, SC><<<(unsigned)nitems, C::NTH, smem, stream>>>(p, item0);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <typename T, int CFG, bool ARG>
+template <typename T, int CFG, bool ARG, bool SC>
 inline int mma_occupancy_cfg(size_t smem) {
   using C = typename MmaCfgOf<CFG>::type;
-  prepare_mma<T, CFG, ARG>(smem);
+  prepare_mma<T, CFG, ARG, SC>(smem);
   int n = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, mma_fwd_kernel<T, C, ARG>, C::NTH, smem));
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, mma_fwd_kernel<T, C, ARG, SC>, C::NTH, smem));
   return n;
 }
 
-// Runtime dispatch over (config, argmax); defined per dtype.
+// Runtime dispatch over (config, argmax); defined per dtype (the scaled
+// float kernels of `normalize` in forward_mma_<dtype>_normalize.cu).
 template <typename T>
 void run_mma(int cfg, bool arg, const FwdParams& p, int64_t item0, int64_t nitems, size_t smem,
              cudaStream_t stream);
 template <typename T>
 int occupancy_mma(int cfg, bool arg, size_t smem);
+template <typename T>
+void run_mma_scaled(int cfg, bool arg, const FwdParams& p, int64_t item0, int64_t nitems, size_t smem,
+                    cudaStream_t stream);
+template <typename T>
+int occupancy_mma_scaled(int cfg, bool arg, size_t smem);
 
 #define MAXSIM_MMA_CASES(F, ...)      \
   case 0: F(0, false, __VA_ARGS__);   \
@@ -570,18 +579,29 @@ int occupancy_mma(int cfg, bool arg, size_t smem);
   case 8: F(4, false, __VA_ARGS__);   \
   default: F(4, true, __VA_ARGS__);
 
-#define MAXSIM_MMA_LAUNCH(CFG, ARG, T) return launch_mma_cfg<T, CFG, ARG>(p, item0, nitems, smem, stream)
-#define MAXSIM_MMA_OCC(CFG, ARG, T) return mma_occupancy_cfg<T, CFG, ARG>(smem)
+#define MAXSIM_MMA_LAUNCH(CFG, ARG, T, SC) return launch_mma_cfg<T, CFG, ARG, SC>(p, item0, nitems, smem, stream)
+#define MAXSIM_MMA_OCC(CFG, ARG, T, SC) return mma_occupancy_cfg<T, CFG, ARG, SC>(smem)
 
 #define MAXSIM_DEFINE_MMA_RUNNERS(T)                                                                  \
   template <>                                                                                         \
   void run_mma<T>(int cfg, bool arg, const FwdParams& p, int64_t item0, int64_t nitems, size_t smem, \
                   cudaStream_t stream) {                                                              \
-    switch (cfg * 2 + (arg ? 1 : 0)) { MAXSIM_MMA_CASES(MAXSIM_MMA_LAUNCH, T) }                       \
+    switch (cfg * 2 + (arg ? 1 : 0)) { MAXSIM_MMA_CASES(MAXSIM_MMA_LAUNCH, T, kIsQuant<T>) }          \
   }                                                                                                   \
   template <>                                                                                         \
   int occupancy_mma<T>(int cfg, bool arg, size_t smem) {                                              \
-    switch (cfg * 2 + (arg ? 1 : 0)) { MAXSIM_MMA_CASES(MAXSIM_MMA_OCC, T) }                          \
+    switch (cfg * 2 + (arg ? 1 : 0)) { MAXSIM_MMA_CASES(MAXSIM_MMA_OCC, T, kIsQuant<T>) }             \
+  }
+
+#define MAXSIM_DEFINE_MMA_SCALED_RUNNERS(T)                                                                  \
+  template <>                                                                                                \
+  void run_mma_scaled<T>(int cfg, bool arg, const FwdParams& p, int64_t item0, int64_t nitems, size_t smem, \
+                         cudaStream_t stream) {                                                              \
+    switch (cfg * 2 + (arg ? 1 : 0)) { MAXSIM_MMA_CASES(MAXSIM_MMA_LAUNCH, T, true) }                        \
+  }                                                                                                          \
+  template <>                                                                                                \
+  int occupancy_mma_scaled<T>(int cfg, bool arg, size_t smem) {                                              \
+    switch (cfg * 2 + (arg ? 1 : 0)) { MAXSIM_MMA_CASES(MAXSIM_MMA_OCC, T, true) }                           \
   }
 
 }  // namespace cuda_fwd

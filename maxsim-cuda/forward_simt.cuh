@@ -3,7 +3,8 @@
 // cannot take (odd dim, misaligned rows, a query tile too wide for shared
 // memory). Inputs of any dtype are converted to fp32 on load; every dot
 // product is a plain sequential fp32 FMA chain over k (same rounding as a
-// naive fp32 loop).
+// naive fp32 loop). Under `normalize` rows are scaled by their inverse norm
+// (p.q_scale / p.d_scale) as they are converted.
 //
 // CTA: 256 threads, 64 query rows x 64 doc tokens per tile, k chunks of 16
 // double-buffered through registers; each thread owns a 4 x 4 block (rows
@@ -62,6 +63,8 @@ __global__ void __launch_bounds__(kSimtNTH, 2) simt_fwd_kernel(FwdParams p, int6
   // Loader mapping: row lr (0..63), 4 consecutive k (lk .. lk+3).
   const int lr = tid >> 2, lk = (tid & 3) * 4;
   const long long qrow = row_src[lr];
+  const bool scaled = p.q_scale != nullptr;
+  const float qsc = scaled && qrow >= 0 ? p.q_scale[qrow] : 1.f;
 
   float best[4];
   int bidx[4];
@@ -79,11 +82,12 @@ __global__ void __launch_bounds__(kSimtNTH, 2) simt_fwd_kernel(FwdParams p, int6
     bool dok = tok < w.c1;
     const T* qr = qp + (qrow >= 0 ? qrow : 0) * (int64_t)dim;
     const T* dr = dp + ((int64_t)w.ds + (dok ? tok : 0)) * dim;
+    const float dsc = scaled && dok ? p.d_scale[(int64_t)w.ds + tok] : 1.f;
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       int k = k0 + e;
-      ra[e] = (qrow >= 0 && k < dim) ? to_f32<T>(qr[k]) : 0.f;
-      rbv[e] = (dok && k < dim) ? to_f32<T>(dr[k]) : 0.f;
+      ra[e] = (qrow >= 0 && k < dim) ? to_f32<T>(qr[k]) * qsc : 0.f;
+      rbv[e] = (dok && k < dim) ? to_f32<T>(dr[k]) * dsc : 0.f;
     }
   };
   auto store_smem = [&](int buf) {

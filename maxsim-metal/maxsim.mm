@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "host_driver.h"
+#include "normalize_rows.h"
 #include "torch_binding.h"
 
 #ifdef EMBEDDED_METALLIB_HEADER
@@ -255,8 +256,10 @@ std::tuple<at::Tensor, at::Tensor> forward_mps(
     const std::optional<at::Tensor>& q_mask, const at::Tensor& d, const at::Tensor& d_start,
     const at::Tensor& d_len, const std::optional<at::Tensor>& d_mask,
     const std::optional<at::Tensor>& pair_q, const std::optional<at::Tensor>& pair_d, int64_t layout,
-    int64_t lq, int64_t argmax_kind, bool /*tf32: fp32 is always exact on Metal*/) {
-  auto plan = metal_host::plan_forward(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d,
+    int64_t lq, int64_t argmax_kind, bool /*tf32: fp32 is always exact on Metal*/, bool normalize) {
+  // normalize: the composite form (normalize_rows.h), normalised fp32 copies.
+  const at::Tensor qn = normalize ? normalized_rows(q) : q, dn = normalize ? normalized_rows(d) : d;
+  auto plan = metal_host::plan_forward(qn, q_start, q_len, q_mask, dn, d_start, d_len, d_mask, pair_q, pair_d,
                                        layout, lq, argmax_kind, use_mma(),
                                        c10::DeviceType::MPS, "forward_mps");
   run_commands(plan.commands);
@@ -269,12 +272,17 @@ std::tuple<at::Tensor, at::Tensor> backward_mps(
     const std::optional<at::Tensor>& pair_q, const std::optional<at::Tensor>& pair_d,
     const at::Tensor& argmax, int64_t layout, const std::optional<at::Tensor>& q_ptr,
     const std::optional<at::Tensor>& q_pairs, const std::optional<at::Tensor>& d_ptr,
-    const std::optional<at::Tensor>& d_pairs, bool need_dq, bool need_dd) {
-  auto plan = metal_host::plan_backward(grad, q, q_start, q_len, d, d_start, d_len, pair_q, pair_d, argmax,
+    const std::optional<at::Tensor>& d_pairs, bool need_dq, bool need_dd, bool normalize) {
+  // normalize: fp32 gradients w.r.t. the normalised copies, then the
+  // Jacobian of the normalisation (normalize_rows.h).
+  const at::Tensor qn = normalize ? normalized_rows(q) : q, dn = normalize ? normalized_rows(d) : d;
+  auto plan = metal_host::plan_backward(grad, qn, q_start, q_len, dn, d_start, d_len, pair_q, pair_d, argmax,
                                         layout, q_ptr, q_pairs, d_ptr, d_pairs, need_dq, need_dd,
                                         c10::DeviceType::MPS, "backward_mps");
   run_commands(plan.commands);
-  return {plan.dq, plan.dd};
+  if (!normalize) return {plan.dq, plan.dd};
+  return {need_dq ? normalize_backward(plan.dq, q, q.scalar_type()) : plan.dq,
+          need_dd ? normalize_backward(plan.dd, d, d.scalar_type()) : plan.dd};
 }
 
 }  // namespace maxsim

@@ -59,6 +59,8 @@ TRAIN = {
     "pairs": lambda ms, Q, D, ql, dl, docs, off, qoff, pq, pd:
         ms.score_pairs_packed_train(Q.reshape(-1, 16)[:9], qoff, docs, off, pq, pd, max_query_length=6),
     "maxsim": lambda ms, Q, D, ql, dl, docs, off, qoff, pq, pd: ms.maxsim(Q, D),
+    "contrastive_normalize": lambda ms, Q, D, ql, dl, docs, off, qoff, pq, pd:
+        ms.score_contrastive_train(Q, docs, off, normalize=True),
 }
 
 

@@ -32,15 +32,15 @@ std::tuple<Tensor, Tensor> call_forward_train(const Tensor& q, const Tensor& q_s
                                               const OptTensor& q_mask, const Tensor& d, const Tensor& d_start,
                                               const Tensor& d_len, const OptTensor& d_mask, const OptTensor& pair_q,
                                               const OptTensor& pair_d, int64_t layout, int64_t lq,
-                                              int64_t argmax_kind, bool tf32) {
+                                              int64_t argmax_kind, bool tf32, bool normalize) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow((std::string(kNs) + "::forward_train").c_str(), "")
                        .typed<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
                                                          const OptTensor&, const Tensor&, const Tensor&,
                                                          const Tensor&, const OptTensor&, const OptTensor&,
-                                                         const OptTensor&, int64_t, int64_t, int64_t, bool)>();
+                                                         const OptTensor&, int64_t, int64_t, int64_t, bool, bool)>();
   return op.call(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d, layout, lq, argmax_kind,
-                 tf32);
+                 tf32, normalize);
 }
 
 std::tuple<Tensor, Tensor> call_backward(const Tensor& grad, const Tensor& q, const Tensor& q_start,
@@ -48,15 +48,16 @@ std::tuple<Tensor, Tensor> call_backward(const Tensor& grad, const Tensor& q, co
                                          const Tensor& d_len, const OptTensor& pair_q, const OptTensor& pair_d,
                                          const Tensor& argmax, int64_t layout, const OptTensor& q_ptr,
                                          const OptTensor& q_pairs, const OptTensor& d_ptr,
-                                         const OptTensor& d_pairs, bool need_dq, bool need_dd) {
+                                         const OptTensor& d_pairs, bool need_dq, bool need_dd, bool normalize) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow((std::string(kNs) + "::backward").c_str(), "")
                        .typed<std::tuple<Tensor, Tensor>(
                            const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                            const Tensor&, const OptTensor&, const OptTensor&, const Tensor&, int64_t,
-                           const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&, bool, bool)>();
+                           const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&, bool, bool,
+                           bool)>();
   return op.call(grad, q, q_start, q_len, d, d_start, d_len, pair_q, pair_d, argmax, layout, q_ptr, q_pairs, d_ptr,
-                 d_pairs, need_dq, need_dd);
+                 d_pairs, need_dq, need_dd, normalize);
 }
 
 // Stable grouping of pair indices by id: (ptr [n+1], pairs [P]); ids outside
@@ -74,11 +75,12 @@ struct ForwardTrain : public torch::autograd::Function<ForwardTrain> {
                                                 const Tensor& d, const Tensor& d_start, const Tensor& d_len,
                                                 const OptTensor& d_mask, const OptTensor& pair_q,
                                                 const OptTensor& pair_d, int64_t layout, int64_t lq,
-                                                int64_t argmax_kind, bool tf32) {
+                                                int64_t argmax_kind, bool tf32, bool normalize) {
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [scores, argmax] = call_forward_train(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d,
-                                               layout, lq, argmax_kind, tf32);
+                                               layout, lq, argmax_kind, tf32, normalize);
     ctx->saved_data["layout"] = layout;
+    ctx->saved_data["normalize"] = normalize;
     ctx->saved_data["has_argmax"] = argmax_kind != 0;
     // needs_input_grad counts tensor inputs only: d follows q, q_start,
     // q_len and q_mask when one was given.
@@ -106,8 +108,8 @@ struct ForwardTrain : public torch::autograd::Function<ForwardTrain> {
     }
     auto [dq, dd] = call_backward(grads[0].contiguous().to(at::kFloat), q, q_start, q_len, d, d_start, d_len,
                                   opt(pair_q), opt(pair_d), argmax, layout, q_ptr, q_pairs, d_ptr, d_pairs, need_dq,
-                                  need_dd);
-    torch::autograd::variable_list out(14);
+                                  need_dd, ctx->saved_data["normalize"].toBool());
+    torch::autograd::variable_list out(15);
     if (need_dq) out[0] = dq;
     if (need_dd) out[4] = dd;
     return out;
@@ -118,10 +120,9 @@ std::tuple<Tensor, Tensor> forward_train_autograd(const Tensor& q, const Tensor&
                                                   const OptTensor& q_mask, const Tensor& d, const Tensor& d_start,
                                                   const Tensor& d_len, const OptTensor& d_mask,
                                                   const OptTensor& pair_q, const OptTensor& pair_d, int64_t layout,
-                                                  int64_t lq, int64_t argmax_kind, bool tf32) {
-  auto out =
-      ForwardTrain::apply(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d, layout, lq, argmax_kind,
-                          tf32);
+                                                  int64_t lq, int64_t argmax_kind, bool tf32, bool normalize) {
+  auto out = ForwardTrain::apply(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d, layout, lq,
+                                 argmax_kind, tf32, normalize);
   return {out[0], out[1]};
 }
 

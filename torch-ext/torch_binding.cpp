@@ -8,7 +8,8 @@
 #define MAXSIM_FORWARD_ARGS                                              \
   "(Tensor q, Tensor q_start, Tensor q_len, Tensor? q_mask, Tensor d, "    \
   "Tensor d_start, Tensor d_len, Tensor? d_mask, Tensor? pair_q, "         \
-  "Tensor? pair_d, int layout, int lq, int argmax_kind, bool tf32) -> "    \
+  "Tensor? pair_d, int layout, int lq, int argmax_kind, bool tf32, "     \
+  "bool normalize=False) -> "    \
   "(Tensor scores, Tensor argmax)"
 
 TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
@@ -29,7 +30,7 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
       "Tensor d, Tensor d_start, Tensor d_len, Tensor? pair_q, "
       "Tensor? pair_d, Tensor argmax, int layout, Tensor? q_ptr, "
       "Tensor? q_pairs, Tensor? d_ptr, Tensor? d_pairs, bool need_dq, "
-      "bool need_dd) -> (Tensor dq, Tensor dd)");
+      "bool need_dd, bool normalize=False) -> (Tensor dq, Tensor dd)");
 #if defined(CPU_KERNEL)
   ops.impl("forward", torch::kCPU, &maxsim::forward_cpu);
   ops.impl("forward_train", torch::kCPU, &maxsim::forward_cpu);

@@ -26,6 +26,13 @@
 // (0 .. d_len-1), lowest index on ties, -1 for padded/masked query tokens and
 // for tokens with no valid document token.
 // tf32: fp32 inputs may use TF32 tensor cores (CUDA only; default exact).
+// normalize: every q / d row r stands for x_r / max(|x_r|, 1e-12) (norm in
+// fp32 from the stored values, fp64 for fp64). Kernels fold the inverse norms
+// into the scores (query row after the max, document token before it) rather
+// than writing normalised copies; the backward takes the same flag, scales the
+// gathered rows likewise and applies the Jacobian of the normalisation,
+// (g - x^ <x^, g>) / |x| (g / 1e-12 for a row under the clamp), to each fp32
+// row sum before rounding it to the input dtype.
 #pragma once
 
 #include <torch/torch.h>
@@ -45,7 +52,7 @@ using ForwardFn = std::tuple<at::Tensor, at::Tensor>(
     const std::optional<at::Tensor>& d_mask,
     const std::optional<at::Tensor>& pair_q,
     const std::optional<at::Tensor>& pair_d, int64_t layout, int64_t lq,
-    int64_t argmax_kind, bool tf32);
+    int64_t argmax_kind, bool tf32, bool normalize);
 
 // Quantized tokens (inference only): q / d are int8 or float8_e4m3fn with
 // per-token fp32 scales q_scale [Tq] (> 0) / d_scale [Td]; token r stands for
@@ -80,7 +87,7 @@ using BackwardFn = std::tuple<at::Tensor, at::Tensor>(
     int64_t layout, const std::optional<at::Tensor>& q_ptr,
     const std::optional<at::Tensor>& q_pairs,
     const std::optional<at::Tensor>& d_ptr,
-    const std::optional<at::Tensor>& d_pairs, bool need_dq, bool need_dd);
+    const std::optional<at::Tensor>& d_pairs, bool need_dq, bool need_dd, bool normalize);
 
 // kernel-builder defines one of CPU_KERNEL / CUDA_KERNEL / METAL_KERNEL per
 // build variant; the local builder (tools/build.py) also defines CPU_KERNEL

@@ -46,7 +46,7 @@ def _argmax_empty(q, P, lq, argmax_kind):
 @torch.library.register_fake(FORWARD_TRAIN)
 @torch.library.register_fake(FORWARD)
 def _forward_fake(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d,
-                  layout, lq, argmax_kind, tf32):
+                  layout, lq, argmax_kind, tf32, normalize=False):
     P = num_pairs(q_start, d_start, pair_q, layout)
     sdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     return q.new_empty((P,), dtype=sdt), _argmax_empty(q, P, lq, argmax_kind)
@@ -71,7 +71,7 @@ def _decode_keys_fake(keys):
 
 @torch.library.register_fake(BACKWARD)
 def _backward_fake(grad, q, q_start, q_len, d, d_start, d_len, pair_q, pair_d, argmax,
-                   layout, q_ptr, q_pairs, d_ptr, d_pairs, need_dq, need_dd):
+                   layout, q_ptr, q_pairs, d_ptr, d_pairs, need_dq, need_dd, normalize=False):
     dq = torch.empty_like(q) if need_dq else q.new_empty((0,))
     dd = torch.empty_like(d) if need_dd else d.new_empty((0,))
     return dq, dd
@@ -85,10 +85,10 @@ def _warn_fallback(op: str, key: str) -> None:
 
 
 def _reference_forward(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d,
-                       layout, lq, argmax_kind, tf32):
+                       layout, lq, argmax_kind, tf32, normalize=False):
     _warn_fallback("forward", q.device.type)
     return reference.forward(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask,
-                             pair_q, pair_d, layout, lq, argmax_kind, tf32)
+                             pair_q, pair_d, layout, lq, argmax_kind, tf32, normalize=normalize)
 
 
 def _reference_forward_quant(q, q_scale, q_start, q_len, q_mask, d, d_scale, d_start, d_len, d_mask,
@@ -115,10 +115,11 @@ def _reference_decode_keys(keys):
 
 
 def _reference_backward(grad, q, q_start, q_len, d, d_start, d_len, pair_q, pair_d, argmax,
-                        layout, q_ptr, q_pairs, d_ptr, d_pairs, need_dq, need_dd):
+                        layout, q_ptr, q_pairs, d_ptr, d_pairs, need_dq, need_dd, normalize=False):
     _warn_fallback("backward", q.device.type)
     return reference.backward(grad, q, q_start, q_len, d, d_start, d_len, pair_q, pair_d,
-                              argmax, layout, q_ptr, q_pairs, d_ptr, d_pairs, need_dq, need_dd)
+                              argmax, layout, q_ptr, q_pairs, d_ptr, d_pairs, need_dq, need_dd,
+                              normalize=normalize)
 
 
 def _register_fallbacks() -> None:

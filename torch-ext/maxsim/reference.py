@@ -40,8 +40,10 @@ def _segments(start, length, n_rows, width, mask):
 
 def forward(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d,
             layout: int, lq: int, argmax_kind: int, tf32: bool = False,
-            accum: torch.dtype = torch.float32):
+            accum: torch.dtype = torch.float32, normalize: bool = False):
     """Reference for ``ops.forward``: returns (scores [P] fp32 (or ``accum``), argmax)."""
+    if normalize:
+        q, d = normalize_rows(q, accum), normalize_rows(d, accum)
     device = q.device
     nq, nd = q_start.numel(), d_start.numel()
     qi, di = pair_ids(layout, nq, nd, pair_q, pair_d, device)
@@ -82,6 +84,22 @@ def forward(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d
     return scores, argmax
 
 
+def normalize_rows(x, dtype=torch.float32):
+    """x / max(|x|, 1e-12) per row, in ``dtype`` (at least fp32): the ``normalize`` flag."""
+    xf = x.to(torch.promote_types(dtype, torch.float32))
+    return xf / torch.linalg.vector_norm(xf, dim=1, keepdim=True).clamp_min(1e-12)
+
+
+def normalize_backward(g, x):
+    """dL/dx from g = dL/dx^ (x^ = normalize_rows(x)), in g's dtype."""
+    xf = x.to(g.dtype)
+    norm = torch.linalg.vector_norm(xf, dim=1, keepdim=True)
+    inv = norm.clamp_min(1e-12).reciprocal()
+    xh = xf * inv
+    c = (xh * g).sum(1, keepdim=True) * (norm >= 1e-12)
+    return (g - xh * c) * inv
+
+
 def dequantize(x, scale, dtype=torch.float32):
     """Token rows stored as int8 / float8 with per-row scales -> ``dtype``."""
     return x.to(dtype) * scale.to(dtype)[:, None]
@@ -97,8 +115,16 @@ def forward_quant(q, q_scale, q_start, q_len, q_mask, d, d_scale, d_start, d_len
 def backward(grad, q, q_start, q_len, d, d_start, d_len, pair_q, pair_d, argmax,
              layout: int, q_ptr=None, q_pairs=None, d_ptr=None, d_pairs=None,
              need_dq: bool = True, need_dd: bool = True,
-             accum: torch.dtype = torch.float32):
+             accum: torch.dtype = torch.float32, normalize: bool = False):
     """Reference for ``ops.backward``: (dq, dd) from the saved argmax."""
+    if normalize:
+        acc = torch.promote_types(accum, torch.float32)
+        dq, dd = backward(grad, normalize_rows(q, acc), q_start, q_len, normalize_rows(d, acc), d_start,
+                          d_len, pair_q, pair_d, argmax, layout, q_ptr, q_pairs, d_ptr, d_pairs,
+                          need_dq, need_dd, accum=acc)
+        dq = normalize_backward(dq, q).to(q.dtype if accum == torch.float32 else acc) if need_dq else q.new_empty(0)
+        dd = normalize_backward(dd, d).to(d.dtype if accum == torch.float32 else acc) if need_dd else d.new_empty(0)
+        return dq, dd
     device = q.device
     nq, nd = q_start.numel(), d_start.numel()
     qi, di = pair_ids(layout, nq, nd, pair_q, pair_d, device)

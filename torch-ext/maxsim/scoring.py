@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from ._registry import ops
 from .reference import CROSS, GROUPED, LIST
@@ -188,13 +187,16 @@ def _argmax_kind(train: bool, with_argmax: bool, doc_bound: int) -> int:
 
 
 def _run(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d,
-         layout, lq, argmax_kind, tf32):
-    # The autograd-carrying op only when a gradient can flow: it costs a
-    # Python autograd wrapper per call.
+         layout, lq, argmax_kind, tf32, normalize=False):
+    # The autograd-carrying op only when a gradient can flow: it costs an
+    # autograd node per call.
     grad = torch.is_grad_enabled() and (q.requires_grad or d.requires_grad)
     op = ops.forward_train if grad else ops.forward
+    if not normalize:  # the schema default: one argument less to parse
+        return op(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask,
+                  pair_q, pair_d, layout, lq, argmax_kind, tf32)
     return op(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask,
-              pair_q, pair_d, layout, lq, argmax_kind, tf32)
+              pair_q, pair_d, layout, lq, argmax_kind, tf32, True)
 
 
 def _empty_result(shape: tuple, lq: int, queries: Tensor, mode: str):
@@ -212,7 +214,7 @@ def _i32(argmax: Tensor) -> Tensor:
 # padded candidates: Q [B, Lq, d] x D [B, K, Ld, d] -> [B, K]
 # ----------------------------------------------------------------------------
 
-def _candidates(queries, documents, query_lengths, doc_lengths, *, mode, validate, tf32):
+def _candidates(queries, documents, query_lengths, doc_lengths, *, mode, validate, tf32, normalize):
     _check_float("queries", queries)
     _check_float("documents", documents)
     _check_rank("queries", queries, 3, "[B, Lq, d]")
@@ -240,7 +242,7 @@ def _candidates(queries, documents, query_lengths, doc_lengths, *, mode, validat
     d_start, d_len = _padded_segments(B * K, Ld, doc_lengths, dev)
     kind = _argmax_kind(mode == "train", mode == "argmax", Ld)
     scores, argmax = _run(_flat(queries), q_start, q_len, None, _flat(documents), d_start, d_len,
-                          None, None, None, GROUPED, Lq, kind, tf32)
+                          None, None, None, GROUPED, Lq, kind, tf32, normalize)
     scores = scores.view(B, K)
     if mode == "argmax":
         return scores, _i32(argmax).view(B, K, Lq)
@@ -249,7 +251,7 @@ def _candidates(queries, documents, query_lengths, doc_lengths, *, mode, validat
 
 def score_candidates_padded(queries: Tensor, documents: Tensor, query_lengths: Optional[Tensor] = None,
                             doc_lengths: Optional[Tensor] = None, *, validate: bool = False,
-                            tf32: bool = False) -> Tensor:
+                            tf32: bool = False, normalize: bool = False) -> Tensor:
     """MaxSim of each query against its own K padded candidates.
 
     queries ``[B, Lq, d]``, documents ``[B, K, Ld, d]``, query_lengths ``[B]``
@@ -258,31 +260,33 @@ def score_candidates_padded(queries: Tensor, documents: Tensor, query_lengths: O
     against that document.
     """
     return _candidates(queries, documents, query_lengths, doc_lengths, mode="score",
-                       validate=validate, tf32=tf32)
+                       validate=validate, tf32=tf32, normalize=normalize)
 
 
 def score_candidates_padded_with_argmax(queries, documents, query_lengths=None, doc_lengths=None, *,
-                                        validate: bool = False, tf32: bool = False):
+                                        validate: bool = False, tf32: bool = False,
+                                  normalize: bool = False):
     """As :func:`score_candidates_padded`, plus int32 ``[B, K, Lq]`` winning
     document-token index per query token (-1 for padded query tokens and for
     tokens with no valid document token; lowest index on ties)."""
     return _candidates(queries, documents, query_lengths, doc_lengths, mode="argmax",
-                       validate=validate, tf32=tf32)
+                       validate=validate, tf32=tf32, normalize=normalize)
 
 
 def score_candidates_padded_train(queries, documents, query_lengths=None, doc_lengths=None, *,
-                                  validate: bool = False, tf32: bool = False):
+                                  validate: bool = False, tf32: bool = False,
+                                  normalize: bool = False):
     """Differentiable :func:`score_candidates_padded` (gradients to queries and
     documents, from the saved argmax only)."""
     return _candidates(queries, documents, query_lengths, doc_lengths, mode="train",
-                       validate=validate, tf32=tf32)
+                       validate=validate, tf32=tf32, normalize=normalize)
 
 
 # ----------------------------------------------------------------------------
 # contrastive: Q [Nq, Lq, d] x packed D [T, d] with offsets [Nb+1] -> [Nq, Nb]
 # ----------------------------------------------------------------------------
 
-def _contrastive(queries, documents, document_offsets, query_lengths, *, mode, validate, tf32):
+def _contrastive(queries, documents, document_offsets, query_lengths, *, mode, validate, tf32, normalize):
     _check_float("queries", queries)
     _check_float("documents", documents)
     _check_rank("queries", queries, 3, "[Nq, Lq, d]")
@@ -309,7 +313,7 @@ def _contrastive(queries, documents, document_offsets, query_lengths, *, mode, v
     d_start, d_len = _offset_segments(document_offsets, T)
     kind = _argmax_kind(mode == "train", mode == "argmax", T)
     scores, argmax = _run(_flat(queries), q_start, q_len, None, documents.contiguous(), d_start, d_len,
-                          None, None, None, CROSS, Lq, kind, tf32)
+                          None, None, None, CROSS, Lq, kind, tf32, normalize)
     scores = scores.view(Nq, Nb)
     if mode == "argmax":
         return scores, _i32(argmax).view(Nq, Nb, Lq)
@@ -318,25 +322,27 @@ def _contrastive(queries, documents, document_offsets, query_lengths, *, mode, v
 
 def score_contrastive(queries: Tensor, documents: Tensor, document_offsets: Tensor,
                       query_lengths: Optional[Tensor] = None, *, validate: bool = False,
-                      tf32: bool = False) -> Tensor:
+                      tf32: bool = False, normalize: bool = False) -> Tensor:
     """Every query ``[Nq, Lq, d]`` against every packed document
     (``documents [total_tokens, d]``, ``document_offsets [Nb+1]``) -> fp32 ``[Nq, Nb]``."""
     return _contrastive(queries, documents, document_offsets, query_lengths, mode="score",
-                        validate=validate, tf32=tf32)
+                        validate=validate, tf32=tf32, normalize=normalize)
 
 
 def score_contrastive_with_argmax(queries, documents, document_offsets, query_lengths=None, *,
-                                  validate: bool = False, tf32: bool = False):
+                                  validate: bool = False, tf32: bool = False,
+                                  normalize: bool = False):
     """As :func:`score_contrastive`, plus int32 argmax ``[Nq, Nb, Lq]``."""
     return _contrastive(queries, documents, document_offsets, query_lengths, mode="argmax",
-                        validate=validate, tf32=tf32)
+                        validate=validate, tf32=tf32, normalize=normalize)
 
 
 def score_contrastive_train(queries, documents, document_offsets, query_lengths=None, *,
-                            validate: bool = False, tf32: bool = False):
+                            validate: bool = False, tf32: bool = False,
+                            normalize: bool = False):
     """Differentiable :func:`score_contrastive`."""
     return _contrastive(queries, documents, document_offsets, query_lengths, mode="train",
-                        validate=validate, tf32=tf32)
+                        validate=validate, tf32=tf32, normalize=normalize)
 
 
 # ----------------------------------------------------------------------------
@@ -344,7 +350,7 @@ def score_contrastive_train(queries, documents, document_offsets, query_lengths=
 # ----------------------------------------------------------------------------
 
 def _pairs(queries, query_offsets, documents, document_offsets, pair_query_ids, pair_document_ids,
-           max_query_length, *, mode, validate, tf32):
+           max_query_length, *, mode, validate, tf32, normalize):
     _check_float("queries", queries)
     _check_float("documents", documents)
     _check_rank("queries", queries, 2, "packed [total_query_tokens, d]")
@@ -386,7 +392,7 @@ def _pairs(queries, query_offsets, documents, document_offsets, pair_query_ids, 
     kind = _argmax_kind(mode == "train", mode == "argmax", Td)
     scores, argmax = _run(queries.contiguous(), q_start, q_len, None, documents.contiguous(), d_start,
                           d_len, None, pair_query_ids.to(torch.int32).contiguous(),
-                          pair_document_ids.to(torch.int32).contiguous(), LIST, lq, kind, tf32)
+                          pair_document_ids.to(torch.int32).contiguous(), LIST, lq, kind, tf32, normalize)
     if mode == "argmax":
         return scores, _i32(argmax)
     return scores
@@ -395,7 +401,7 @@ def _pairs(queries, query_offsets, documents, document_offsets, pair_query_ids, 
 def score_pairs_packed(queries: Tensor, query_offsets: Tensor, documents: Tensor,
                        document_offsets: Tensor, pair_query_ids: Tensor, pair_document_ids: Tensor, *,
                        max_query_length: Optional[int] = None, validate: bool = False,
-                       tf32: bool = False) -> Tensor:
+                       tf32: bool = False, normalize: bool = False) -> Tensor:
     """Scores of arbitrary (query, document) pairs over packed ragged tokens -> fp32 ``[P]``.
 
     ``max_query_length`` (an upper bound on every query's length) avoids the
@@ -403,22 +409,27 @@ def score_pairs_packed(queries: Tensor, query_offsets: Tensor, documents: Tensor
     CUDA-graph capture. A query longer than it scores NaN.
     """
     return _pairs(queries, query_offsets, documents, document_offsets, pair_query_ids,
-                  pair_document_ids, max_query_length, mode="score", validate=validate, tf32=tf32)
+                  pair_document_ids, max_query_length, mode="score", validate=validate, tf32=tf32,
+                  normalize=normalize)
 
 
 def score_pairs_packed_with_argmax(queries, query_offsets, documents, document_offsets, pair_query_ids,
-                                   pair_document_ids, *, max_query_length=None, validate=False, tf32=False):
+                                   pair_document_ids, *, max_query_length=None, validate=False, tf32=False,
+                             normalize=False):
     """As :func:`score_pairs_packed`, plus int32 argmax ``[P, max_query_length]``
     (document-token index within the document, -1 past the query's length)."""
     return _pairs(queries, query_offsets, documents, document_offsets, pair_query_ids,
-                  pair_document_ids, max_query_length, mode="argmax", validate=validate, tf32=tf32)
+                  pair_document_ids, max_query_length, mode="argmax", validate=validate, tf32=tf32,
+                  normalize=normalize)
 
 
 def score_pairs_packed_train(queries, query_offsets, documents, document_offsets, pair_query_ids,
-                             pair_document_ids, *, max_query_length=None, validate=False, tf32=False):
+                             pair_document_ids, *, max_query_length=None, validate=False, tf32=False,
+                             normalize=False):
     """Differentiable :func:`score_pairs_packed`."""
     return _pairs(queries, query_offsets, documents, document_offsets, pair_query_ids,
-                  pair_document_ids, max_query_length, mode="train", validate=validate, tf32=tf32)
+                  pair_document_ids, max_query_length, mode="train", validate=validate, tf32=tf32,
+                  normalize=normalize)
 
 
 # ----------------------------------------------------------------------------
@@ -431,7 +442,8 @@ def maxsim(Q: Tensor, D: Tensor, q_mask: Optional[Tensor] = None, d_mask: Option
     document -> ``[Nq, Nd]``) or ``D [Nq, K, Ld, d]`` (each query's own K
     candidates -> ``[Nq, K]``). Masks are boolean, True = real token
     (``q_mask [Nq, Lq]``, ``d_mask`` shaped like ``D`` without its last dim).
-    ``normalize=True`` L2-normalises every token first. Differentiable.
+    ``normalize=True`` scores L2-normalised tokens (cosine similarity), with the
+    norms folded into the kernels: no normalised copy is made. Differentiable.
     """
     _check_float("Q", Q)
     _check_float("D", D)
@@ -447,9 +459,6 @@ def maxsim(Q: Tensor, D: Tensor, q_mask: Optional[Tensor] = None, d_mask: Option
     if d_mask is not None:
         _check_mask("d_mask", d_mask, D.shape[:-1])
     _check_same(dict(Q=Q, D=D, q_mask=q_mask, d_mask=d_mask))
-    if normalize:
-        Q = F.normalize(Q, dim=-1)
-        D = F.normalize(D, dim=-1)
     Ld = D.shape[-2]
     n_docs = D.shape[0] * (D.shape[1] if D.dim() == 4 else 1)
     out_shape = (Nq, D.shape[1] if D.dim() == 4 else D.shape[0])
@@ -461,5 +470,6 @@ def maxsim(Q: Tensor, D: Tensor, q_mask: Optional[Tensor] = None, d_mask: Option
     train = torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad)
     kind = _argmax_kind(train, False, Ld)
     scores, _ = _run(_flat(Q), q_start, q_len, _flat_mask(q_mask), _flat(D), d_start, d_len,
-                     _flat_mask(d_mask), None, None, GROUPED if D.dim() == 4 else CROSS, Lq, kind, tf32)
+                     _flat_mask(d_mask), None, None, GROUPED if D.dim() == 4 else CROSS, Lq, kind, tf32,
+                     normalize)
     return scores.view(out_shape)

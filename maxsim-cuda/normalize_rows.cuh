@@ -1,0 +1,147 @@
+// The two row-wise halves of the `normalize` flag (torch_binding.h) that are
+// not folded into the MaxSim kernels themselves:
+//   * inv_norms: 1 / max(|x_r|, eps) per row (fp32 sum of squares), read by
+//     the forward (scores) and the backward (gathered rows);
+//   * normalize_grad: the Jacobian of the normalisation on the fp32 row sums
+//     g = dL/dx^ the backward kernels produce, rounded once to the input
+//     dtype: (g - x^ <x^, g>) / |x| (g / eps under the clamp).
+// One warp per row, lanes striding over it (coalesced).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace maxsim {
+namespace cuda_norm {
+
+constexpr float kEps = 1e-12f;
+constexpr int kWarpsPerBlock = 8;
+
+template <class T>
+__device__ __forceinline__ float as_f(T v);
+template <>
+__device__ __forceinline__ float as_f<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ float as_f<__half>(__half v) {
+  return __half2float(v);
+}
+template <>
+__device__ __forceinline__ float as_f<__nv_bfloat16>(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
+template <class T>
+__device__ __forceinline__ T from_f(float v);
+template <>
+__device__ __forceinline__ float from_f<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ __half from_f<__half>(float v) {
+  return __float2half_rn(v);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+template <class T>
+__device__ __forceinline__ float row_sumsq(const T* __restrict__ x, int64_t dim, int lane) {
+  float ss = 0.f;
+  for (int64_t k = lane; k < dim; k += 32) {
+    const float v = as_f<T>(x[k]);
+    ss = fmaf(v, v, ss);
+  }
+  return warp_sum(ss);
+}
+
+template <class T>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32) inv_norms_kernel(const T* __restrict__ x, int64_t rows,
+                                                                      int64_t dim, float* __restrict__ inv) {
+  const int64_t r = (int64_t)blockIdx.x * kWarpsPerBlock + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (r >= rows) return;
+  const float ss = row_sumsq(x + r * dim, dim, lane);
+  if (lane == 0) inv[r] = 1.f / fmaxf(sqrtf(ss), kEps);
+}
+
+template <class T>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32)
+    normalize_grad_kernel(const float* __restrict__ g, const T* __restrict__ x, int64_t rows, int64_t dim,
+                          T* __restrict__ out) {
+  const int64_t r = (int64_t)blockIdx.x * kWarpsPerBlock + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (r >= rows) return;
+  const T* xr = x + r * dim;
+  const float* gr = g + r * dim;
+  const float nrm = sqrtf(row_sumsq(xr, dim, lane));
+  const float inv = 1.f / fmaxf(nrm, kEps);
+  float c = 0.f;
+  if (nrm >= kEps) {
+    for (int64_t k = lane; k < dim; k += 32) c = fmaf(as_f<T>(xr[k]) * inv, gr[k], c);
+    c = warp_sum(c);
+  }
+  for (int64_t k = lane; k < dim; k += 32)
+    out[r * dim + k] = from_f<T>(inv * (gr[k] - as_f<T>(xr[k]) * inv * c));
+}
+
+template <class T>
+inline void launch_inv_norms(const at::Tensor& x, at::Tensor& inv, cudaStream_t st) {
+  const int64_t rows = x.size(0);
+  if (rows == 0) return;
+  inv_norms_kernel<T><<<(unsigned)((rows + kWarpsPerBlock - 1) / kWarpsPerBlock), kWarpsPerBlock * 32, 0, st>>>(
+      static_cast<const T*>(x.data_ptr()), rows, x.size(1), inv.data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// [rows] fp32 inverse norms of a contiguous [rows, dim] fp32 / fp16 / bf16 tensor.
+inline at::Tensor inv_norms(const at::Tensor& x) {
+  at::Tensor inv = at::empty({x.size(0)}, x.options().dtype(at::kFloat));
+  cudaStream_t st = at::cuda::getCurrentCUDAStream();
+  switch (x.scalar_type()) {
+    case at::kHalf: launch_inv_norms<__half>(x, inv, st); break;
+    case at::kBFloat16: launch_inv_norms<__nv_bfloat16>(x, inv, st); break;
+    default: launch_inv_norms<float>(x, inv, st); break;
+  }
+  return inv;
+}
+
+// out [rows, dim] (x's dtype) from g [rows, dim] fp32 and the rows x.
+inline void normalize_grad(const at::Tensor& g, const at::Tensor& x, at::Tensor& out) {
+  const int64_t rows = x.size(0), dim = x.size(1);
+  if (rows == 0) return;
+  cudaStream_t st = at::cuda::getCurrentCUDAStream();
+  const unsigned blocks = (unsigned)((rows + kWarpsPerBlock - 1) / kWarpsPerBlock);
+  const float* gp = g.data_ptr<float>();
+  switch (x.scalar_type()) {
+    case at::kHalf:
+      normalize_grad_kernel<__half><<<blocks, kWarpsPerBlock * 32, 0, st>>>(
+          gp, static_cast<const __half*>(x.data_ptr()), rows, dim, static_cast<__half*>(out.data_ptr()));
+      break;
+    case at::kBFloat16:
+      normalize_grad_kernel<__nv_bfloat16><<<blocks, kWarpsPerBlock * 32, 0, st>>>(
+          gp, static_cast<const __nv_bfloat16*>(x.data_ptr()), rows, dim,
+          static_cast<__nv_bfloat16*>(out.data_ptr()));
+      break;
+    default:
+      normalize_grad_kernel<float><<<blocks, kWarpsPerBlock * 32, 0, st>>>(
+          gp, static_cast<const float*>(x.data_ptr()), rows, dim, static_cast<float*>(out.data_ptr()));
+      break;
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace cuda_norm
+}  // namespace maxsim
