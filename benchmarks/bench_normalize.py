@@ -2,8 +2,8 @@
 norms folded into the forward and backward kernels) against the same op on
 ``F.normalize`` copies (what the package did before, and what a caller does
 by hand), and against unnormalised scoring for scale. Inputs are bf16 tokens
-of varied norms; every output is first checked against fp64 autograd
-through ``F.normalize``.
+of varied norms; every output is compared with fp64 autograd through
+``F.normalize`` (the fused path must be within bf16 tolerance).
 
     python benchmarks/bench_normalize.py [--out FILE]
 
@@ -85,7 +85,9 @@ def main():
                     errs += [((Q.grad.double() - Qr.grad).norm() / Qr.grad.norm()).item(),
                              ((D.grad.double() - Dr.grad).norm() / Dr.grad.norm()).item()]
                 err = max(errs)
-                assert err < 5e-3, (name, impl, errs)
+                # The composed path differentiates F.normalize in bf16, where
+                # g - x^ <x^, g> cancels: its error is reported, not asserted.
+                assert impl != "fused" or err < 5e-3, (name, impl, errs)
 
             def step():
                 if train:

@@ -350,6 +350,11 @@ struct Mma<__half> {
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
   }
   static __device__ __forceinline__ float value(float acc) { return acc; }
+  // Sum of squares of the elements of one fragment register (normalize).
+  static __device__ __forceinline__ float sumsq(uint32_t r) {
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&r));
+    return fmaf(f.x, f.x, f.y * f.y);
+  }
 };
 template <>
 struct Mma<__nv_bfloat16> {
@@ -360,6 +365,10 @@ struct Mma<__nv_bfloat16> {
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
   }
   static __device__ __forceinline__ float value(float acc) { return acc; }
+  static __device__ __forceinline__ float sumsq(uint32_t r) {
+    const float a = __uint_as_float(r << 16), b = __uint_as_float(r & 0xffff0000u);
+    return fmaf(a, a, b * b);
+  }
 };
 template <>
 struct Mma<float> {  // TF32 (operands passed as raw fp32 bits)
@@ -370,6 +379,10 @@ struct Mma<float> {  // TF32 (operands passed as raw fp32 bits)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
   }
   static __device__ __forceinline__ float value(float acc) { return acc; }
+  static __device__ __forceinline__ float sumsq(uint32_t r) {
+    const float a = __uint_as_float(r);
+    return a * a;
+  }
 };
 
 // 8-bit k-step (m16n8k32): its A / B fragments hold the same bytes as the

@@ -16,10 +16,12 @@
 // longest document is unknown on the host, so splits are sized from the mean
 // document length and every CTA derives its token range from d_len on device.
 //
-// normalize: inverse row norms (normalize_rows.cuh) go in as per-token
-// scales: the tensor-core kernel's scaled variant applies them like 8-bit
-// token scales (doc token before the max, query row after it), the SIMT
-// kernel as it converts rows; no normalised copy is written. The wgmma path
+// normalize: inverse row norms go in as per-token scales, applied like 8-bit
+// token scales (doc token before the max, query row after it): the query's
+// from a small pre-pass (normalize_rows.cuh), the documents' computed by the
+// tensor-core kernel from its own B fragments (documents read once); the
+// SIMT kernel takes both from pre-passes and scales rows as it converts
+// them. No normalised copy is written. The wgmma path
 // has no scaled variant, so normalize stays on the mma.sync kernel.
 //
 // Hook for other kernels (e.g. a wgmma path for large lq on sm_90): plug in at
@@ -304,14 +306,13 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
   p.d_mask = dm.defined() ? dm.data_ptr<bool>() : nullptr;
   p.pair_q = pq.defined() ? pq.data_ptr<int>() : nullptr;
   p.pair_d = pd.defined() ? pd.data_ptr<int>() : nullptr;
-  at::Tensor q_inv, d_inv;  // normalize: inverse row norms
-  if (normalize && !quant && lq > 0) {
-    q_inv = cuda_norm::inv_norms(q);
-    d_inv = cuda_norm::inv_norms(d);
-  }
-  p.q_scale = quant ? q_scale->data_ptr<float>() : q_inv.defined() ? q_inv.data_ptr<float>() : nullptr;
-  p.d_scale = quant ? d_scale->data_ptr<float>() : d_inv.defined() ? d_inv.data_ptr<float>() : nullptr;
-  const bool scaled = q_inv.defined();  // float tokens with scales
+  // normalize: query inverse norms up front; the tensor-core kernel derives
+  // the documents' from its own fragments, the SIMT kernel reads d_inv.
+  const bool scaled = normalize && !quant && lq > 0;
+  at::Tensor q_inv, d_inv;
+  if (scaled) q_inv = cuda_norm::inv_norms(q);
+  p.q_scale = quant ? q_scale->data_ptr<float>() : scaled ? q_inv.data_ptr<float>() : nullptr;
+  p.d_scale = quant ? d_scale->data_ptr<float>() : nullptr;
   p.Tq = q.size(0);
   p.Td = d.size(0);
   p.row_bytes = dim * esz;
@@ -453,6 +454,11 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
       ws_idx = at::empty({(int64_t)S * P * lq}, q.options().dtype(at::kInt));
       p.ws_idx = ws_idx.data_ptr<int>();
     }
+  }
+
+  if (scaled && !use_mma) {
+    d_inv = cuda_norm::inv_norms(d);
+    p.d_scale = d_inv.data_ptr<float>();
   }
 
   // ---- launch (grid.x only, in chunks below the 2^31-1 limit) ---------------

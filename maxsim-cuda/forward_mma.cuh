@@ -162,12 +162,16 @@ __device__ __forceinline__ void load_query_tile(const FwdParams& p, uint32_t sds
   }
 }
 
-// SC: per-token scales (p.q_scale / p.d_scale): always for 8-bit tokens,
-// and for float tokens under `normalize` (inverse row norms).
-template <typename T, class C, bool ARG, bool SC>
+// Scale mode SCM: 0 none; 1 per-token scales from p.q_scale / p.d_scale
+// (8-bit tokens); 2 `normalize` of float tokens: query rows scaled by
+// p.q_scale (inverse norms), document tokens by inverse norms computed here
+// from the B fragments the MMAs already hold (each lane squares its
+// elements, a quad sums a token's k slices), so the documents are read once.
+template <typename T, class C, bool ARG, int SCM>
 __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, int64_t item0) {
   constexpr bool QUANT = kIsQuant<T>;
-  static_assert(SC || !QUANT, "8-bit tokens carry scales");
+  constexpr bool SC = SCM != 0, DNORM = SCM == 2;
+  static_assert((SCM == 1) == QUANT, "8-bit tokens, and only they, carry scale arrays");
   constexpr int KCB = mma_kchunk(QUANT);
   constexpr int BM = C::BM, BN = C::BN, WM = C::WM, WN = C::WN, NTH = C::NTH;
   constexpr int STAGES = mma_stages(C::STAGES, QUANT);
@@ -379,6 +383,9 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
       cp_async_commit();
     }
 
+    float dss[DNORM ? NT : 1];  // normalize: running sum of squares of this lane's B elements
+#pragma unroll
+    for (int jn = 0; jn < (DNORM ? NT : 1); ++jn) dss[jn] = 0.f;
     float acc[MT][NT][4];
 #pragma unroll
     for (int i = 0; i < MT; ++i)
@@ -406,7 +413,7 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
       cp_async_commit();
 
       float cs[SC ? NT : 1][2];  // doc-token scales of this lane's columns
-      if (SC && kc + 1 == p.kch) {
+      if (SCM == 1 && kc + 1 == p.kch) {
         const int c0 = doc_c0[cdoc], c1 = doc_c1[cdoc];
         const int col0 = c0 + (jg - cbase) * BN + wn * WTN + 2 * (lane & 3);
         const float* sc = p.d_scale + (doc_tb[cdoc] - c0);
@@ -444,9 +451,28 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
         for (int i = 0; i < MT; ++i)
 #pragma unroll
           for (int jn = 0; jn < NT; ++jn) Mma<T>::run(acc[i][jn], af[ks & 1][i], bfr[ks & 1][jn]);
+        if constexpr (DNORM) {
+#pragma unroll
+          for (int jn = 0; jn < NT; ++jn)
+            dss[jn] += Mma<T>::sumsq(bfr[ks & 1][jn][0]) + Mma<T>::sumsq(bfr[ks & 1][jn][1]);
+        }
       }
 
       if (++kc == p.kch) {
+        if constexpr (DNORM) {
+          // Lane holds token lane / 4 of each n8 block in its B fragments and
+          // tokens 2 * (lane % 4) + {0, 1} in its accumulators.
+#pragma unroll
+          for (int jn = 0; jn < NT; ++jn) {
+            float v = dss[jn];
+            v += __shfl_xor_sync(0xffffffffu, v, 1);
+            v += __shfl_xor_sync(0xffffffffu, v, 2);
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              cs[jn][e] = 1.f / fmaxf(sqrtf(__shfl_sync(0xffffffffu, v, ((lane & 3) * 2 + e) * 4)), 1e-12f);
+            dss[jn] = 0.f;
+          }
+        }
         if constexpr (SC) {
 #pragma unroll
           for (int i = 0; i < MT; ++i)
@@ -524,38 +550,38 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
 namespace maxsim {
 namespace cuda_fwd {
 
-template <typename T, int CFG, bool ARG, bool SC>
+template <typename T, int CFG, bool ARG, int SCM>
 inline void prepare_mma(size_t smem) {
   using C = typename MmaCfgOf<CFG>::type;
   static int set_bytes[64] = {0};  // per device, raised monotonically
   int dev = 0;
   cudaGetDevice(&dev);
   if (dev < 64 && (int)smem > set_bytes[dev]) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(mma_fwd_kernel<T, C, ARG, SC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    C10_CUDA_CHECK(cudaFuncSetAttribute(mma_fwd_kernel<T, C, ARG, SCM>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         (int)smem));
     set_bytes[dev] = (int)smem;
   }
 }
 
-template <typename T, int CFG, bool ARG, bool SC>
+template <typename T, int CFG, bool ARG, int SCM>
 inline void launch_mma_cfg(const FwdParams& p, int64_t item0, int64_t nitems, size_t smem, cudaStream_t stream) {
   using C = typename MmaCfgOf<CFG>::type;
-  prepare_mma<T, CFG, ARG, SC>(smem);
-  mma_fwd_kernel<T, C, ARG, SC><<<(unsigned)nitems, C::NTH, smem, stream>>>(p, item0);
+  prepare_mma<T, CFG, ARG, SCM>(smem);
+  mma_fwd_kernel<T, C, ARG, SCM><<<(unsigned)nitems, C::NTH, smem, stream>>>(p, item0);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <typename T, int CFG, bool ARG, bool SC>
+template <typename T, int CFG, bool ARG, int SCM>
 inline int mma_occupancy_cfg(size_t smem) {
   using C = typename MmaCfgOf<CFG>::type;
-  prepare_mma<T, CFG, ARG, SC>(smem);
+  prepare_mma<T, CFG, ARG, SCM>(smem);
   int n = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, mma_fwd_kernel<T, C, ARG, SC>, C::NTH, smem));
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, mma_fwd_kernel<T, C, ARG, SCM>, C::NTH, smem));
   return n;
 }
 
-// Runtime dispatch over (config, argmax); defined per dtype (the scaled
-// float kernels of `normalize` in forward_mma_<dtype>_normalize.cu).
+// Runtime dispatch over (config, argmax); defined per dtype (the `normalize`
+// kernels, SCM 2, in forward_mma_<dtype>_normalize.cu).
 template <typename T>
 void run_mma(int cfg, bool arg, const FwdParams& p, int64_t item0, int64_t nitems, size_t smem,
              cudaStream_t stream);
@@ -579,29 +605,29 @@ int occupancy_mma_scaled(int cfg, bool arg, size_t smem);
   case 8: F(4, false, __VA_ARGS__);   \
   default: F(4, true, __VA_ARGS__);
 
-#define MAXSIM_MMA_LAUNCH(CFG, ARG, T, SC) return launch_mma_cfg<T, CFG, ARG, SC>(p, item0, nitems, smem, stream)
-#define MAXSIM_MMA_OCC(CFG, ARG, T, SC) return mma_occupancy_cfg<T, CFG, ARG, SC>(smem)
+#define MAXSIM_MMA_LAUNCH(CFG, ARG, T, SCM) return launch_mma_cfg<T, CFG, ARG, SCM>(p, item0, nitems, smem, stream)
+#define MAXSIM_MMA_OCC(CFG, ARG, T, SCM) return mma_occupancy_cfg<T, CFG, ARG, SCM>(smem)
 
 #define MAXSIM_DEFINE_MMA_RUNNERS(T)                                                                  \
   template <>                                                                                         \
   void run_mma<T>(int cfg, bool arg, const FwdParams& p, int64_t item0, int64_t nitems, size_t smem, \
                   cudaStream_t stream) {                                                              \
-    switch (cfg * 2 + (arg ? 1 : 0)) { MAXSIM_MMA_CASES(MAXSIM_MMA_LAUNCH, T, kIsQuant<T>) }          \
+    switch (cfg * 2 + (arg ? 1 : 0)) { MAXSIM_MMA_CASES(MAXSIM_MMA_LAUNCH, T, kIsQuant<T> ? 1 : 0) }  \
   }                                                                                                   \
   template <>                                                                                         \
   int occupancy_mma<T>(int cfg, bool arg, size_t smem) {                                              \
-    switch (cfg * 2 + (arg ? 1 : 0)) { MAXSIM_MMA_CASES(MAXSIM_MMA_OCC, T, kIsQuant<T>) }             \
+    switch (cfg * 2 + (arg ? 1 : 0)) { MAXSIM_MMA_CASES(MAXSIM_MMA_OCC, T, kIsQuant<T> ? 1 : 0) }     \
   }
 
 #define MAXSIM_DEFINE_MMA_SCALED_RUNNERS(T)                                                                  \
   template <>                                                                                                \
   void run_mma_scaled<T>(int cfg, bool arg, const FwdParams& p, int64_t item0, int64_t nitems, size_t smem, \
                          cudaStream_t stream) {                                                              \
-    switch (cfg * 2 + (arg ? 1 : 0)) { MAXSIM_MMA_CASES(MAXSIM_MMA_LAUNCH, T, true) }                        \
+    switch (cfg * 2 + (arg ? 1 : 0)) { MAXSIM_MMA_CASES(MAXSIM_MMA_LAUNCH, T, 2) }                           \
   }                                                                                                          \
   template <>                                                                                                \
   int occupancy_mma_scaled<T>(int cfg, bool arg, size_t smem) {                                              \
-    switch (cfg * 2 + (arg ? 1 : 0)) { MAXSIM_MMA_CASES(MAXSIM_MMA_OCC, T, true) }                           \
+    switch (cfg * 2 + (arg ? 1 : 0)) { MAXSIM_MMA_CASES(MAXSIM_MMA_OCC, T, 2) }                              \
   }
 
 }  // namespace cuda_fwd

@@ -177,6 +177,28 @@ def test_normalize_fused(ms, device, dtype, surface):
     _cmp(Dd.grad, Dr.grad, dtype)
 
 
+@pytest.mark.parametrize("tf32", [False, True], ids=["exact", "tf32"])
+@pytest.mark.parametrize("shape", [(2, 1, 5, 1), (3, 33, 70, 17), (2, 40, 300, 128), (1, 130, 90, 256),
+                                   (5, 7, 1000, 64)])
+def test_normalize_forward_shapes(ms, device, dtype, shape, tf32):
+    """normalize=True over dims that take every kernel path (odd dims: SIMT;
+    dim 256: two k chunks; lq 130: the 128-row tile), with document masks."""
+    if tf32 and dtype != torch.float32:
+        pytest.skip("tf32 applies to fp32")
+    Nq, Lq, Ld, dim = shape
+    gen = torch.Generator().manual_seed(62)
+    Q = (torch.randn(Nq, Lq, dim, generator=gen) * 3).to(dtype)
+    D = (torch.randn(4, Ld, dim, generator=gen) * torch.rand(4, Ld, 1, generator=gen) * 5).to(dtype)
+    dm = torch.rand(4, Ld, generator=gen) > 0.25
+    s, _ = ms.score_candidates_padded_with_argmax(Q.to(device), D.to(device)[None].expand(Nq, -1, -1, -1),
+                                                  normalize=True, tf32=tf32)
+    ref = ms.maxsim_reference(_nrm(Q.double()), _nrm(D.double()))
+    assert relerr(s, ref) < (2e-3 if tf32 else 1e-5)
+    s2 = ms.maxsim(Q.to(device), D.to(device), None, dm.to(device), normalize=True, tf32=tf32)
+    ref2 = ms.maxsim_reference(_nrm(Q.double()), _nrm(D.double()), None, dm)
+    assert relerr(s2, ref2) < (2e-3 if tf32 else 1e-5)
+
+
 def test_normalize_zero_rows(ms, device):
     """A zero token normalises to zero (F.normalize's clamp): similarity 0, no NaN."""
     Q = rand(2, 3, 8, device=device) * 5
