@@ -162,14 +162,17 @@ def _padded_segments(n: int, extent: int, lengths: Optional[Tensor], device) -> 
 
 
 def _offset_segments(offsets: Tensor, total: int) -> tuple[Tensor, Tensor]:
-    off = offsets.to(torch.int64)
-    start, end = off[:-1], off[1:]
-    length = end - start
-    bad = (length < 0) | (start < 0) | (end > total)
     # Offsets that do not start at 0, end at the token count and never
-    # decrease describe no layout (segments would overlap): poison all.
-    bad = bad | (off[0] != 0) | (off[-1] != total) | bad.any()
-    return start.clamp(0, max(total, 0)).to(torch.int32), torch.where(bad, -1, length).to(torch.int32)
+    # decrease describe no layout (segments would overlap): every segment is
+    # poisoned. Valid ones keep each start in [0, total]; the kernels ignore
+    # the start of a segment whose length is negative. Few ops on purpose:
+    # each is a kernel launch on a GPU, and this runs on every call.
+    length = offsets[1:] - offsets[:-1]
+    ok = (offsets[0] == 0) & (offsets[-1] == total) & (length >= 0).all()
+    start, length = offsets[:-1], torch.where(ok, length, -1)
+    if offsets.dtype != torch.int32:
+        start, length = start.to(torch.int32), length.to(torch.int32)
+    return start, length
 
 
 def _flat(x: Tensor) -> Tensor:
