@@ -135,6 +135,8 @@ void run_mma_any(at::ScalarType t, int cfg, bool arg, const FwdParams& p, int64_
 bool wgmma_ready_any(at::ScalarType t, int64_t dim, bool arg) {
   if (t == at::kHalf) return run_wgmma_available<__half>(dim, arg);
   if (t == at::kBFloat16) return run_wgmma_available<__nv_bfloat16>(dim, arg);
+  if (t == at::kChar) return run_wgmma_available<int8_t>(dim, arg);
+  if (t == at::kFloat8_e4m3fn) return run_wgmma_available<__nv_fp8_e4m3>(dim, arg);
   return false;
 }
 
@@ -142,6 +144,10 @@ void run_wgmma_any(at::ScalarType t, bool arg, const FwdParams& p, int64_t dim, 
                    int num_sms, cudaStream_t st) {
   if (t == at::kHalf)
     run_wgmma<__half>(arg, p, dim, item0, n, num_sms, st);
+  else if (t == at::kChar)
+    run_wgmma<int8_t>(arg, p, dim, item0, n, num_sms, st);
+  else if (t == at::kFloat8_e4m3fn)
+    run_wgmma<__nv_fp8_e4m3>(arg, p, dim, item0, n, num_sms, st);
   else
     run_wgmma<__nv_bfloat16>(arg, p, dim, item0, n, num_sms, st);
 }
@@ -377,7 +383,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
   TORCH_CHECK(use_mma || !quant, "maxsim: quantized query tile of dim ", dim, " does not fit in shared memory");
   // sm_90a wgmma + TMA kernel when its 128-row M tile is (nearly) full.
   const int64_t wg_rows = layout == kCross ? std::min<int64_t>(Nq * lq, kWgBM) : std::min<int64_t>(lq, kWgBM);
-  const bool use_wg = use_mma && !quant && !scaled && dtype != at::kFloat && g_forced_cfg < 0 && prop->major == 9 &&
+  const bool use_wg = use_mma && !scaled && dtype != at::kFloat && g_forced_cfg < 0 && prop->major == 9 &&
                       wg_rows >= kWgBM && wgmma_shape_ok(p, dim, esz) && wgmma_ready_any(dtype, dim, arg);
 
   const int bm = use_wg ? kWgBM : use_mma ? mma_cfg_info(cfg).bm : kSimtBM;

@@ -1,5 +1,12 @@
 // Hopper (sm_90a) tensor-core forward kernel: wgmma + TMA, fp16 / bf16
-// inputs, fp32 accumulation, for 8 <= dim <= 128 (dim % 8 == 0).
+// inputs, fp32 accumulation, for rows of 16 to 256 bytes (a multiple of 16:
+// 8 <= dim <= 128 for 16-bit tokens). 8-bit tokens (int8 with s32
+// accumulation, fp8 e4m3 with fp32; forward_quant) run the same kernel: a
+// 32-byte k step is k16 for 16-bit and k32 for 8-bit types, so fragments,
+// swizzle and descriptors are unchanged. Their per-token scales: the
+// documents' travel with each doc tile (a 1-D TMA of the tile's 128 scales
+// into the stage) and multiply the products before the max; the queries'
+// multiply the row maxima in the finisher.
 //
 // Persistent kernel, one CTA per SM (384 threads), each CTA walking the same
 // work items as the other forward kernels (decode_work: M tile of BM = 128
@@ -66,7 +73,8 @@ struct WgCfg {
   static constexpr int STAGES = NKB == 1 ? 8 : 5;
   static constexpr int STAGE_BYTES = NKB * kWgBN * 128;
   static constexpr int Q_BYTES = NKB * kWgBM * 128;
-  static constexpr int SMEM = STAGES * STAGE_BYTES + Q_BYTES + 1024;  // + alignment slack
+  static constexpr int SCALE_BYTES = STAGES * kWgBN * 4;  // 8-bit tokens: doc-token scales per stage
+  static constexpr int SMEM = STAGES * STAGE_BYTES + Q_BYTES + SCALE_BYTES + 1024;  // + alignment slack
 };
 
 // Kernel flags.
@@ -116,6 +124,7 @@ struct WgMma<__nv_bfloat16> {
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d));
   }
+  static __device__ __forceinline__ float value(float acc) { return acc; }
 };
 template <>
 struct WgMma<__half> {
@@ -137,6 +146,55 @@ struct WgMma<__half> {
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d));
   }
+  static __device__ __forceinline__ float value(float acc) { return acc; }
+};
+
+// 8-bit tokens, k = 32 per 32-byte step. int8 accumulates exactly in s32,
+// carried in the float registers' bits (bound as 32-bit integer operands);
+// value() turns an accumulator into its fp32 product.
+template <>
+struct WgMma<int8_t> {
+  static __device__ __forceinline__ void n128(float* d, const uint32_t* a, uint64_t desc, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "{%64, %65, %66, %67}, %68, p;\n}\n"
+        : "+r"(reinterpret_cast<uint32_t&>(d[0])), "+r"(reinterpret_cast<uint32_t&>(d[1])), "+r"(reinterpret_cast<uint32_t&>(d[2])), "+r"(reinterpret_cast<uint32_t&>(d[3])), "+r"(reinterpret_cast<uint32_t&>(d[4])), "+r"(reinterpret_cast<uint32_t&>(d[5])), "+r"(reinterpret_cast<uint32_t&>(d[6])), "+r"(reinterpret_cast<uint32_t&>(d[7])), "+r"(reinterpret_cast<uint32_t&>(d[8])), "+r"(reinterpret_cast<uint32_t&>(d[9])), "+r"(reinterpret_cast<uint32_t&>(d[10])), "+r"(reinterpret_cast<uint32_t&>(d[11])), "+r"(reinterpret_cast<uint32_t&>(d[12])), "+r"(reinterpret_cast<uint32_t&>(d[13])), "+r"(reinterpret_cast<uint32_t&>(d[14])), "+r"(reinterpret_cast<uint32_t&>(d[15])), "+r"(reinterpret_cast<uint32_t&>(d[16])), "+r"(reinterpret_cast<uint32_t&>(d[17])), "+r"(reinterpret_cast<uint32_t&>(d[18])), "+r"(reinterpret_cast<uint32_t&>(d[19])), "+r"(reinterpret_cast<uint32_t&>(d[20])), "+r"(reinterpret_cast<uint32_t&>(d[21])), "+r"(reinterpret_cast<uint32_t&>(d[22])), "+r"(reinterpret_cast<uint32_t&>(d[23])), "+r"(reinterpret_cast<uint32_t&>(d[24])), "+r"(reinterpret_cast<uint32_t&>(d[25])), "+r"(reinterpret_cast<uint32_t&>(d[26])), "+r"(reinterpret_cast<uint32_t&>(d[27])), "+r"(reinterpret_cast<uint32_t&>(d[28])), "+r"(reinterpret_cast<uint32_t&>(d[29])), "+r"(reinterpret_cast<uint32_t&>(d[30])), "+r"(reinterpret_cast<uint32_t&>(d[31])), "+r"(reinterpret_cast<uint32_t&>(d[32])), "+r"(reinterpret_cast<uint32_t&>(d[33])), "+r"(reinterpret_cast<uint32_t&>(d[34])), "+r"(reinterpret_cast<uint32_t&>(d[35])), "+r"(reinterpret_cast<uint32_t&>(d[36])), "+r"(reinterpret_cast<uint32_t&>(d[37])), "+r"(reinterpret_cast<uint32_t&>(d[38])), "+r"(reinterpret_cast<uint32_t&>(d[39])), "+r"(reinterpret_cast<uint32_t&>(d[40])), "+r"(reinterpret_cast<uint32_t&>(d[41])), "+r"(reinterpret_cast<uint32_t&>(d[42])), "+r"(reinterpret_cast<uint32_t&>(d[43])), "+r"(reinterpret_cast<uint32_t&>(d[44])), "+r"(reinterpret_cast<uint32_t&>(d[45])), "+r"(reinterpret_cast<uint32_t&>(d[46])), "+r"(reinterpret_cast<uint32_t&>(d[47])), "+r"(reinterpret_cast<uint32_t&>(d[48])), "+r"(reinterpret_cast<uint32_t&>(d[49])), "+r"(reinterpret_cast<uint32_t&>(d[50])), "+r"(reinterpret_cast<uint32_t&>(d[51])), "+r"(reinterpret_cast<uint32_t&>(d[52])), "+r"(reinterpret_cast<uint32_t&>(d[53])), "+r"(reinterpret_cast<uint32_t&>(d[54])), "+r"(reinterpret_cast<uint32_t&>(d[55])), "+r"(reinterpret_cast<uint32_t&>(d[56])), "+r"(reinterpret_cast<uint32_t&>(d[57])), "+r"(reinterpret_cast<uint32_t&>(d[58])), "+r"(reinterpret_cast<uint32_t&>(d[59])), "+r"(reinterpret_cast<uint32_t&>(d[60])), "+r"(reinterpret_cast<uint32_t&>(d[61])), "+r"(reinterpret_cast<uint32_t&>(d[62])), "+r"(reinterpret_cast<uint32_t&>(d[63]))
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d));
+  }
+  static __device__ __forceinline__ void n64(float* d, const uint32_t* a, uint64_t desc, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, p;\n}\n"
+        : "+r"(reinterpret_cast<uint32_t&>(d[0])), "+r"(reinterpret_cast<uint32_t&>(d[1])), "+r"(reinterpret_cast<uint32_t&>(d[2])), "+r"(reinterpret_cast<uint32_t&>(d[3])), "+r"(reinterpret_cast<uint32_t&>(d[4])), "+r"(reinterpret_cast<uint32_t&>(d[5])), "+r"(reinterpret_cast<uint32_t&>(d[6])), "+r"(reinterpret_cast<uint32_t&>(d[7])), "+r"(reinterpret_cast<uint32_t&>(d[8])), "+r"(reinterpret_cast<uint32_t&>(d[9])), "+r"(reinterpret_cast<uint32_t&>(d[10])), "+r"(reinterpret_cast<uint32_t&>(d[11])), "+r"(reinterpret_cast<uint32_t&>(d[12])), "+r"(reinterpret_cast<uint32_t&>(d[13])), "+r"(reinterpret_cast<uint32_t&>(d[14])), "+r"(reinterpret_cast<uint32_t&>(d[15])), "+r"(reinterpret_cast<uint32_t&>(d[16])), "+r"(reinterpret_cast<uint32_t&>(d[17])), "+r"(reinterpret_cast<uint32_t&>(d[18])), "+r"(reinterpret_cast<uint32_t&>(d[19])), "+r"(reinterpret_cast<uint32_t&>(d[20])), "+r"(reinterpret_cast<uint32_t&>(d[21])), "+r"(reinterpret_cast<uint32_t&>(d[22])), "+r"(reinterpret_cast<uint32_t&>(d[23])), "+r"(reinterpret_cast<uint32_t&>(d[24])), "+r"(reinterpret_cast<uint32_t&>(d[25])), "+r"(reinterpret_cast<uint32_t&>(d[26])), "+r"(reinterpret_cast<uint32_t&>(d[27])), "+r"(reinterpret_cast<uint32_t&>(d[28])), "+r"(reinterpret_cast<uint32_t&>(d[29])), "+r"(reinterpret_cast<uint32_t&>(d[30])), "+r"(reinterpret_cast<uint32_t&>(d[31]))
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d));
+  }
+  static __device__ __forceinline__ float value(float acc) { return (float)__float_as_int(acc); }
+};
+template <>
+struct WgMma<__nv_fp8_e4m3> {
+  static __device__ __forceinline__ void n128(float* d, const uint32_t* a, uint64_t desc, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "{%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d));
+  }
+  static __device__ __forceinline__ void n64(float* d, const uint32_t* a, uint64_t desc, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d));
+  }
+  static __device__ __forceinline__ float value(float acc) { return acc; }
 };
 
 // Pins accumulator registers in program order around wgmma issue / wait so
@@ -196,6 +254,13 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
       "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar)
       : "memory");
 }
+__device__ __forceinline__ void tma_load_1d(uint32_t dst, const CUtensorMap* map, int x, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.1d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2}], [%3];\n" ::"r"(
+          dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(bar)
+      : "memory");
+}
 __device__ __forceinline__ void named_bar(int id, int n) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
 }
@@ -251,9 +316,12 @@ __device__ __forceinline__ void wg_slot_info(const FwdParams& p, const Work& w, 
 }
 
 // finish_tile (common.cuh) for one warp, with the slot states precomputed.
-template <int BM, bool ARG>
+template <int BM, bool ARG, bool Q8>
 __device__ __forceinline__ void wg_finish(const FwdParams& p, const Work& w, const float* rb, const int* ri,
-                                          const unsigned char* row_ok, const unsigned char* slot_st, int lane) {
+                                          const unsigned char* row_ok, const unsigned char* slot_st, int lane,
+                                          const long long* rsrc) {
+  // 8-bit tokens: a query row's scale (> 0) commutes with its max.
+  auto rowv = [&](int r) { return Q8 && rb[r] != neg_inf() ? rb[r] * p.q_scale[rsrc[r]] : rb[r]; };
   if (p.row_mode <= 1) {
     const int nslots = p.layout == kCrossL ? p.qpt : 1;
     const int tt = w.mt % p.tpq;
@@ -276,8 +344,8 @@ __device__ __forceinline__ void wg_finish(const FwdParams& p, const Work& w, con
       float sum = 0.f;
       for (int i = i0 + lane; i < i1; i += 32) {
         int r = rbase + i;
-        float v = rb[r];
-        bool use = ok && row_ok[r] && v != neg_inf();
+        bool use = ok && row_ok[r] && rb[r] != neg_inf();
+        float v = use ? rowv(r) : 0.f;
         sum += use ? v : 0.f;
         if (ARG) store_argmax(p, pr * p.lq + i, use ? ri[r] : -1);
       }
@@ -297,7 +365,7 @@ __device__ __forceinline__ void wg_finish(const FwdParams& p, const Work& w, con
       int64_t n = slot_query(p, w, k);
       int64_t pr = slot_pair(p, w, n);
       int64_t o = ((int64_t)w.s * p.P + pr) * p.lq + i;
-      p.ws_best[o] = rb[r];
+      p.ws_best[o] = rowv(r);
       if (ARG) p.ws_idx[o] = ri[r];
     }
   }
@@ -309,10 +377,23 @@ __device__ __forceinline__ void wg_finish(const FwdParams& p, const Work& w, con
 // increasing order). Out-of-range / masked columns become -inf. The row max
 // is taken first (max.NaN tree); with argmax, a tile that beats the running
 // max (strictly, or by a first NaN) is searched for its lowest winning column.
-template <int NJ, bool ARG>
+template <typename T, int NJ, bool ARG>
 __device__ __forceinline__ void wg_fold(const FwdParams& p, const Work& w, float* acc, int jt, float* best,
-                                        int* bidx, bool arg_search) {
+                                        int* bidx, bool arg_search, const float* tile_scale) {
   const int lane = threadIdx.x & 31;
+  if constexpr (kIsQuant<T>) {
+    // Products of 8-bit tokens: fp32 value times the doc token's scale
+    // (staged with the tile), before the max.
+    const float* cs = tile_scale + 2 * (lane & 3);
+#pragma unroll
+    for (int jn = 0; jn < NJ; ++jn)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float c = cs[jn * 8 + e];
+        acc[4 * jn + e] = WgMma<T>::value(acc[4 * jn + e]) * c;
+        acc[4 * jn + 2 + e] = WgMma<T>::value(acc[4 * jn + 2 + e]) * c;
+      }
+  }
   const int n0 = w.c0 + jt * kWgBN;
   const int colbase = n0 + 2 * (lane & 3);
   const bool has_mask = p.d_mask != nullptr;
@@ -391,10 +472,12 @@ template <typename T, int NKB, bool ARG>
 __device__ __forceinline__ void wg_tile(const FwdParams& p, const Work& w, float* acc, float* acch,
                                         const uint32_t (*a)[4],
                                         int j, uint32_t g, uint32_t d_s, uint32_t bar_full, uint32_t bar_empty,
-                                        float* best, int* bidx, bool release, bool arg_search) {
+                                        float* best, int* bidx, bool release, bool arg_search,
+                                        const float* stage_scales) {
   using C = WgCfg<NKB>;
   constexpr int NK16 = NKB * 4;
   const int s = (int)(g % C::STAGES);
+  const float* tile_scale = stage_scales + s * kWgBN;
   mbar_wait(bar_full + 8u * s, (g / C::STAGES) & 1u);
   const uint32_t sbase = d_s + (uint32_t)(s * C::STAGE_BYTES);
   const bool half = w.c1 - (w.c0 + j * kWgBN) <= 64;
@@ -409,7 +492,7 @@ __device__ __forceinline__ void wg_tile(const FwdParams& p, const Work& w, float
     wg_wait<0>();
     wg_fence_acc<32>(acch);
     if (release && (threadIdx.x & 31) == 0) mbar_arrive(bar_empty + 8u * s);
-    wg_fold<8, ARG>(p, w, acch, j, best, bidx, arg_search);
+    wg_fold<T, 8, ARG>(p, w, acch, j, best, bidx, arg_search, tile_scale);
   } else {
     wg_fence_acc<64>(acc);
     wg_fence();
@@ -420,15 +503,15 @@ __device__ __forceinline__ void wg_tile(const FwdParams& p, const Work& w, float
     wg_wait<0>();
     wg_fence_acc<64>(acc);
     if (release && (threadIdx.x & 31) == 0) mbar_arrive(bar_empty + 8u * s);
-    wg_fold<16, ARG>(p, w, acc, j, best, bidx, arg_search);
+    wg_fold<T, 16, ARG>(p, w, acc, j, best, bidx, arg_search, tile_scale);
   }
 }
 #endif  // MAXSIM_WG_DEVICE
 
 template <typename T, int NKB, bool ARG>
 __global__ void __launch_bounds__(kWgThreads, 1)
-    wg_fwd_kernel(const __grid_constant__ CUtensorMap tmap, const FwdParams p, int64_t item0, int64_t nitems,
-                  int flags) {
+    wg_fwd_kernel(const __grid_constant__ CUtensorMap tmap, const __grid_constant__ CUtensorMap smap,
+                  const FwdParams p, int64_t item0, int64_t nitems, int flags) {
 #if MAXSIM_WG_DEVICE
   using C = WgCfg<NKB>;
   constexpr int BM = kWgBM, BN = kWgBN, ST = C::STAGES, NK16 = NKB * 4;
@@ -446,6 +529,10 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   const uint32_t base = (smem_u32(wg_smem) + 1023u) & ~1023u;
   const uint32_t d_s = base;
   const uint32_t q_s = base + (uint32_t)(ST * C::STAGE_BYTES);
+  constexpr bool Q8 = kIsQuant<T>;
+  // 8-bit tokens: [ST][BN] doc-token scales, one row per stage.
+  const uint32_t sc_s = q_s + (uint32_t)C::Q_BYTES;
+  const float* sc_g = reinterpret_cast<const float*>(wg_smem + (sc_s - smem_u32(wg_smem)));
   const uint32_t bar0 = smem_u32(bars);
   const uint32_t bar_full = bar0, bar_empty = bar0 + 8u * ST;  // [ST] each
   const uint32_t bar_qfull = bar0 + 16u * ST, bar_qempty = bar_qfull + 8u;
@@ -500,11 +587,12 @@ __global__ void __launch_bounds__(kWgThreads, 1)
           for (int j = 0; j < ntiles; ++j, ++g) {
             const int s = (int)(g % ST);
             mbar_wait(bar_empty + 8u * s, ((g / ST) & 1u) ^ 1u);
-            mbar_expect_tx(bar_full + 8u * s, (uint32_t)C::STAGE_BYTES);
+            mbar_expect_tx(bar_full + 8u * s, (uint32_t)(C::STAGE_BYTES + (Q8 ? BN * 4 : 0)));
 #pragma unroll
             for (int kb = 0; kb < NKB; ++kb)
-              tma_load_2d(d_s + (uint32_t)(s * C::STAGE_BYTES + kb * BN * 128), &tmap, kb * 64, row0 + j * BN,
-                          bar_full + 8u * s);
+              tma_load_2d(d_s + (uint32_t)(s * C::STAGE_BYTES + kb * BN * 128), &tmap, kb * (128 / (int)sizeof(T)),
+                          row0 + j * BN, bar_full + 8u * s);
+            if (Q8) tma_load_1d(sc_s + (uint32_t)(s * BN * 4), &smap, row0 + j * BN, bar_full + 8u * s);
           }
         }
       }
@@ -584,7 +672,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
         const int b = (int)(it % NR);
         mbar_wait(bar_rfull + 8u * b, (it / NR) & 1u);
         const Work w = work_s[b];
-        wg_finish<BM, ARG>(p, w, rbest[b], ridx[ARG ? b : 0], row_ok[b], slot_st[b], lane);
+        wg_finish<BM, ARG, Q8>(p, w, rbest[b], ridx[ARG ? b : 0], row_ok[b], slot_st[b], lane, row_src[b]);
         __syncwarp();
         mbar_arrive(bar_free + 8u * b);
       }
@@ -638,7 +726,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       const bool hold = ntiles <= ST;
       for (int j = 0; j < ntiles; ++j)
         wg_tile<T, NKB, ARG>(p, w, acc, acch, a, j, chunk_g + (uint32_t)j, d_s, bar_full, bar_empty, best, bidx,
-                             !hold, arg_search);
+                             !hold, arg_search, sc_g);
       if (hold && !resident) {
         held_base = chunk_g;
         held_n = ntiles;
@@ -703,8 +791,11 @@ inline PFN_cuTensorMapEncodeTiled_v12000 wg_encode_fn() {
 // Whether the wgmma path can take this problem (host-side shape / alignment
 // checks; the device and build checks are in wgmma_available<T>).
 inline bool wgmma_shape_ok(const FwdParams& p, int64_t dim, int64_t esz) {
-  if (esz != 2 || dim < 8 || dim > kWgMaxDim || dim % 8 != 0) return false;
+  const int64_t rb = dim * esz;  // 16..256 bytes, a multiple of 16 (TMA strides, 32-byte k steps)
+  if ((esz != 2 && esz != 1) || rb < 16 || rb > 2 * 128 || rb % 16 != 0) return false;
   if (reinterpret_cast<uintptr_t>(p.q) % 16 != 0 || reinterpret_cast<uintptr_t>(p.d) % 16 != 0) return false;
+  // 8-bit tokens: their scales go through a 1-D tensor map (16-byte aligned base).
+  if (esz == 1 && (p.d_scale == nullptr || reinterpret_cast<uintptr_t>(p.d_scale) % 16 != 0)) return false;
   if (p.Td <= 0 || p.Td >= ((int64_t)1 << 31)) return false;
   return wg_encode_fn() != nullptr;
 }
@@ -738,7 +829,7 @@ inline bool wgmma_available(int64_t dim, bool arg) {
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
   if (major != 9 || minor != 0) return false;
-  if (dim <= 64) return arg ? wg_kernel_ready<T, 1, true>() : wg_kernel_ready<T, 1, false>();
+  if (dim * (int64_t)sizeof(T) <= 128) return arg ? wg_kernel_ready<T, 1, true>() : wg_kernel_ready<T, 1, false>();
   return arg ? wg_kernel_ready<T, 2, true>() : wg_kernel_ready<T, 2, false>();
 }
 
@@ -749,19 +840,31 @@ template <typename T>
 inline void launch_wgmma(bool arg, const FwdParams& p, int64_t dim, int64_t item0, int64_t nitems, int num_sms,
                          cudaStream_t stream) {
   if (nitems <= 0) return;
-  CUtensorMap map;
+  constexpr bool q8 = kIsQuant<T>;
+  CUtensorMap map, smap;
   cuuint64_t gdim[2] = {(cuuint64_t)dim, (cuuint64_t)p.Td};
   cuuint64_t gstride[1] = {(cuuint64_t)p.row_bytes};
-  cuuint32_t box[2] = {64, (cuuint32_t)kWgBN};
+  cuuint32_t box[2] = {(cuuint32_t)(128 / sizeof(T)), (cuuint32_t)kWgBN};  // 128-byte column blocks
   cuuint32_t estride[2] = {1, 1};
-  const CUtensorMapDataType dt =
-      std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  const CUtensorMapDataType dt = q8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8
+                                 : std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                                                  : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   CUresult r = wg_encode_fn()(&map, dt, 2, const_cast<char*>(p.d), gdim, gstride, box, estride,
                               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   TORCH_CHECK(r == CUDA_SUCCESS, "maxsim: cuTensorMapEncodeTiled failed (", (int)r, ")");
+  smap = map;  // unused by 16-bit kernels
+  if (q8) {  // doc-token scales, one BN-row box per stage (rows past Td read as 0)
+    cuuint64_t sdim[1] = {(cuuint64_t)p.Td};
+    cuuint32_t sbox[1] = {(cuuint32_t)kWgBN};
+    cuuint32_t sstride[1] = {1};
+    r = wg_encode_fn()(&smap, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 1, const_cast<float*>(p.d_scale), sdim, nullptr, sbox,
+                       sstride, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                       CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    TORCH_CHECK(r == CUDA_SUCCESS, "maxsim: cuTensorMapEncodeTiled (scales) failed (", (int)r, ")");
+  }
   const unsigned grid = (unsigned)std::min<int64_t>(nitems, std::max(1, num_sms));
-  const bool small = dim <= 64;
+  const bool small = p.row_bytes <= 128;
   // Contiguous item ranges when a doc chunk fits the stage ring (then the
   // chunk is loaded once per CTA and shared by all its M tiles); strided
   // otherwise (CTAs running together share each document through L2).
@@ -777,14 +880,14 @@ inline void launch_wgmma(bool arg, const FwdParams& p, int64_t dim, int64_t item
   TORCH_CHECK(wgmma_available<T>(dim, arg), "maxsim: wgmma kernel unavailable");
   if (small) {
     if (arg)
-      wg_fwd_kernel<T, 1, true><<<grid, kWgThreads, WgCfg<1>::SMEM, stream>>>(map, p, item0, nitems, flags);
+      wg_fwd_kernel<T, 1, true><<<grid, kWgThreads, WgCfg<1>::SMEM, stream>>>(map, smap, p, item0, nitems, flags);
     else
-      wg_fwd_kernel<T, 1, false><<<grid, kWgThreads, WgCfg<1>::SMEM, stream>>>(map, p, item0, nitems, flags);
+      wg_fwd_kernel<T, 1, false><<<grid, kWgThreads, WgCfg<1>::SMEM, stream>>>(map, smap, p, item0, nitems, flags);
   } else {
     if (arg)
-      wg_fwd_kernel<T, 2, true><<<grid, kWgThreads, WgCfg<2>::SMEM, stream>>>(map, p, item0, nitems, flags);
+      wg_fwd_kernel<T, 2, true><<<grid, kWgThreads, WgCfg<2>::SMEM, stream>>>(map, smap, p, item0, nitems, flags);
     else
-      wg_fwd_kernel<T, 2, false><<<grid, kWgThreads, WgCfg<2>::SMEM, stream>>>(map, p, item0, nitems, flags);
+      wg_fwd_kernel<T, 2, false><<<grid, kWgThreads, WgCfg<2>::SMEM, stream>>>(map, smap, p, item0, nitems, flags);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -210,6 +210,43 @@ def test_quant_op_matches_reference_op(ms):
         assert torch.equal(got[1], ref[1])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the tensor-core 8-bit paths need CUDA")
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("dim,lq,nq", [(128, 130, 1), (64, 32, 8), (256, 200, 1), (48, 300, 2)])
+def test_quant_op_tensor_cores_match_reference(ms, kind, dim, lq, nq):
+    """forward_quant on CUDA (mma.sync, and wgmma on sm_90 once a tile holds
+    >= 128 query rows) vs the reference on the dequantised tokens: scores,
+    argmax, masks, empty and invalid documents, CROSS / GROUPED / LIST."""
+    if kind == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 tensor cores need sm_89+")
+    g = torch.Generator().manual_seed(23)
+    lens = torch.randint(0, 400, (6,), generator=g)
+    lens[2] = 0
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)[:-1]])
+    td = int(lens.sum())
+    x_q = torch.randn(nq * lq, dim, generator=g)
+    x_d = torch.randn(td, dim, generator=g)
+    q, qs = ms.quantize_tokens(x_q.cuda(), kind)
+    d, ds = ms.quantize_tokens(x_d.cuda(), kind)
+    i32 = lambda t: t.to(torch.int32).cuda()  # noqa: E731
+    q_start, q_len = i32(torch.arange(nq) * lq), i32(torch.full((nq,), lq))
+    d_len = lens.clone()
+    d_len[4] = -1  # an invalid document scores NaN
+    d_start = i32(starts)
+    dm = (torch.rand(td, generator=g) > 0.1).cuda()
+    layouts = [(0, None, None), (2, i32(torch.tensor([0, 5, 3, 1]) % nq), i32(torch.tensor([1, 0, 5, 3])))]
+    if nq == 1:
+        layouts.append((1, None, None))  # the query's 6 candidates
+    for layout, pq, pd in layouts:
+        args = (q, qs, q_start, q_len, None, d, ds, d_start, i32(d_len), dm, pq, pd, layout, lq, 1)
+        got = ms.ops.forward_quant(*args)
+        ref = ms.reference.forward_quant(*[a.cpu() if isinstance(a, torch.Tensor) else a for a in args],
+                                         accum=torch.float64)
+        torch.testing.assert_close(got[0].double().cpu(), ref[0], rtol=1e-5, atol=1e-4, equal_nan=True)
+        ok = ~torch.isnan(ref[0])
+        assert torch.equal(got[1].cpu()[ok], ref[1][ok])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned streaming needs CUDA")
 @pytest.mark.parametrize("kind", [None, "int8"])
 def test_pinned_streaming_matches_device(ms, kind):
