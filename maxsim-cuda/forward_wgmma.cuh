@@ -856,9 +856,10 @@ inline void launch_wgmma(bool arg, const FwdParams& p, int64_t dim, int64_t item
   smap = map;  // unused by 16-bit kernels
   if (q8) {  // doc-token scales, one BN-row box per stage (rows past Td read as 0)
     cuuint64_t sdim[1] = {(cuuint64_t)p.Td};
+    cuuint64_t sgstride[1] = {(cuuint64_t)p.Td * 4};  // rank 1 reads none; never passed as null
     cuuint32_t sbox[1] = {(cuuint32_t)kWgBN};
     cuuint32_t sstride[1] = {1};
-    r = wg_encode_fn()(&smap, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 1, const_cast<float*>(p.d_scale), sdim, nullptr, sbox,
+    r = wg_encode_fn()(&smap, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 1, const_cast<float*>(p.d_scale), sdim, sgstride, sbox,
                        sstride, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
                        CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     TORCH_CHECK(r == CUDA_SUCCESS, "maxsim: cuTensorMapEncodeTiled (scales) failed (", (int)r, ")");
