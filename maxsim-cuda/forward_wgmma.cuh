@@ -4,9 +4,9 @@
 // accumulation, fp8 e4m3 with fp32; forward_quant) run the same kernel: a
 // 32-byte k step is k16 for 16-bit and k32 for 8-bit types, so fragments,
 // swizzle and descriptors are unchanged. Their per-token scales: the
-// documents' travel with each doc tile (a 1-D TMA of the tile's 128 scales
-// into the stage) and multiply the products before the max; the queries'
-// multiply the row maxima in the finisher.
+// documents' travel with each doc tile (a 1-D TMA of the tile's scales into
+// the stage) and multiply the products before the max; the queries' multiply
+// the row maxima in the finisher.
 //
 // Persistent kernel, one CTA per SM (384 threads), each CTA walking the same
 // work items as the other forward kernels (decode_work: M tile of BM = 128
@@ -67,13 +67,19 @@ constexpr int kWgBN = 128;       // doc tokens per pipeline stage
 constexpr int kWgThreads = 384;  // 2 consumer warpgroups + producer / loader / finisher warpgroup
 constexpr int kWgMaxDim = 128;
 
+// 8-bit tokens: a tile's doc-token scales arrive by a 1-D TMA whose start
+// must be 16-byte aligned, so the box starts at the tile's first row rounded
+// down to 4 and holds BN + 4 scales; stages are 128-byte aligned.
+constexpr int kWgScaleBox = kWgBN + 4;
+constexpr int kWgScaleStride = 160;  // floats per stage (640 B)
+
 // NKB: 64-element (128-byte) column blocks of dim (1 or 2).
 template <int NKB>
 struct WgCfg {
   static constexpr int STAGES = NKB == 1 ? 8 : 5;
   static constexpr int STAGE_BYTES = NKB * kWgBN * 128;
   static constexpr int Q_BYTES = NKB * kWgBM * 128;
-  static constexpr int SCALE_BYTES = STAGES * kWgBN * 4;  // 8-bit tokens: doc-token scales per stage
+  static constexpr int SCALE_BYTES = STAGES * kWgScaleStride * 4;  // 8-bit tokens: doc-token scales per stage
   static constexpr int SMEM = STAGES * STAGE_BYTES + Q_BYTES + SCALE_BYTES + 1024;  // + alignment slack
 };
 
@@ -477,7 +483,7 @@ __device__ __forceinline__ void wg_tile(const FwdParams& p, const Work& w, float
   using C = WgCfg<NKB>;
   constexpr int NK16 = NKB * 4;
   const int s = (int)(g % C::STAGES);
-  const float* tile_scale = stage_scales + s * kWgBN;
+  const float* tile_scale = stage_scales + s * kWgScaleStride + ((w.ds + w.c0 + j * kWgBN) & 3);
   mbar_wait(bar_full + 8u * s, (g / C::STAGES) & 1u);
   const uint32_t sbase = d_s + (uint32_t)(s * C::STAGE_BYTES);
   const bool half = w.c1 - (w.c0 + j * kWgBN) <= 64;
@@ -587,12 +593,12 @@ __global__ void __launch_bounds__(kWgThreads, 1)
           for (int j = 0; j < ntiles; ++j, ++g) {
             const int s = (int)(g % ST);
             mbar_wait(bar_empty + 8u * s, ((g / ST) & 1u) ^ 1u);
-            mbar_expect_tx(bar_full + 8u * s, (uint32_t)(C::STAGE_BYTES + (Q8 ? BN * 4 : 0)));
+            mbar_expect_tx(bar_full + 8u * s, (uint32_t)(C::STAGE_BYTES + (Q8 ? kWgScaleBox * 4 : 0)));
 #pragma unroll
             for (int kb = 0; kb < NKB; ++kb)
               tma_load_2d(d_s + (uint32_t)(s * C::STAGE_BYTES + kb * BN * 128), &tmap, kb * (128 / (int)sizeof(T)),
                           row0 + j * BN, bar_full + 8u * s);
-            if (Q8) tma_load_1d(sc_s + (uint32_t)(s * BN * 4), &smap, row0 + j * BN, bar_full + 8u * s);
+            if (Q8) tma_load_1d(sc_s + (uint32_t)(s * kWgScaleStride * 4), &smap, (row0 + j * BN) & ~3, bar_full + 8u * s);
           }
         }
       }
@@ -857,7 +863,7 @@ inline void launch_wgmma(bool arg, const FwdParams& p, int64_t dim, int64_t item
   if (q8) {  // doc-token scales, one BN-row box per stage (rows past Td read as 0)
     cuuint64_t sdim[1] = {(cuuint64_t)p.Td};
     cuuint64_t sgstride[1] = {(cuuint64_t)p.Td * 4};  // rank 1 reads none; never passed as null
-    cuuint32_t sbox[1] = {(cuuint32_t)kWgBN};
+    cuuint32_t sbox[1] = {(cuuint32_t)kWgScaleBox};
     cuuint32_t sstride[1] = {1};
     r = wg_encode_fn()(&smap, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 1, const_cast<float*>(p.d_scale), sdim, sgstride, sbox,
                        sstride, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
