@@ -5,7 +5,8 @@
 //     (forward_mma.cuh), one of a few tile configurations chosen from lq, the
 //     layout and the number of queries (see choose_mma_cfg);
 //   * int8 / fp8 e4m3 tokens with per-token scales (forward_quant): the same
-//     tensor-core kernel on m16n8k32 (fp8 needs sm_89+);
+//     tensor-core kernel on m16n8k32 (fp8 needs sm_89+); int8 with >= 128
+//     query rows per tile on sm_90a: the wgmma kernel (k32 steps);
 //   * fp32 (exact, default) and whatever the tensor-core kernel cannot take
 //     (odd dim in 16-bit types, rows not 4-byte aligned, a query tile too wide
 //     for shared memory): the FFMA kernel (forward_simt.cuh).
@@ -136,8 +137,7 @@ bool wgmma_ready_any(at::ScalarType t, int64_t dim, bool arg) {
   if (t == at::kHalf) return run_wgmma_available<__half>(dim, arg);
   if (t == at::kBFloat16) return run_wgmma_available<__nv_bfloat16>(dim, arg);
   if (t == at::kChar) return run_wgmma_available<int8_t>(dim, arg);
-  if (t == at::kFloat8_e4m3fn) return run_wgmma_available<__nv_fp8_e4m3>(dim, arg);
-  return false;
+  return false;  // fp8: see forward_wgmma.cuh (accumulation below fp32)
 }
 
 void run_wgmma_any(at::ScalarType t, bool arg, const FwdParams& p, int64_t dim, int64_t item0, int64_t n,
@@ -146,8 +146,6 @@ void run_wgmma_any(at::ScalarType t, bool arg, const FwdParams& p, int64_t dim, 
     run_wgmma<__half>(arg, p, dim, item0, n, num_sms, st);
   else if (t == at::kChar)
     run_wgmma<int8_t>(arg, p, dim, item0, n, num_sms, st);
-  else if (t == at::kFloat8_e4m3fn)
-    run_wgmma<__nv_fp8_e4m3>(arg, p, dim, item0, n, num_sms, st);
   else
     run_wgmma<__nv_bfloat16>(arg, p, dim, item0, n, num_sms, st);
 }
