@@ -175,8 +175,23 @@ def distributed_table(path: Path) -> str:
     return "\n".join(out)
 
 
+def normalize_table(path: Path) -> str:
+    data = json.loads(path.read_text())
+    m = data["meta"]
+    out = [f"`normalize=True` (**{m['gpu']}**, torch {m['torch']}, {m['date']}, commit `{m['commit']}`; "
+           "bf16 tokens of varied norms; fused = norms folded into the kernels, composed = the op on "
+           "`F.normalize` copies; error = max relative error of scores and gradients vs fp64 autograd):", "",
+           "| workload | impl | mode | ms | graph ms | peak MiB | error |", "|---|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        err = "-" if r.get("relerr") is None else f"{r['relerr']:.1e}"
+        out.append(f"| {r['workload']} | {r['impl']} | {r['mode']} | {r['ms']:.4f} | {fmt(r.get('graph_ms'), 4)} | "
+                   f"{r['peak_mib']:.1f} | {err} |")
+    return "\n".join(out)
+
+
 def _special(name: str) -> bool:
-    return name == "cpu.json" or name.endswith(("-cold-start.json", "-search.json", "-distributed.json"))
+    return name == "cpu.json" or name.endswith(("-cold-start.json", "-search.json", "-distributed.json",
+                                                "-normalize.json"))
 
 
 def render() -> str:
@@ -191,6 +206,8 @@ def render() -> str:
             parts.append(distributed_table(p))
         elif p.name.endswith("-cold-start.json"):
             parts.append(cold_table(p))
+        elif p.name.endswith("-normalize.json"):
+            parts.append(normalize_table(p))
         else:
             parts += [gpu_tables(p), chart_links(p)]
     if (res / "cpu.json").exists():

@@ -15,6 +15,13 @@ dims = st.sampled_from([1, 3, 8, 15, 16, 17, 33, 64, 96, 128, 130])
 lens = st.integers(1, 70)
 
 
+def _floor(ref):
+    """Scores of unit tokens that cancel to near zero are held to an absolute
+    bound (1e-2 per score before the tolerance): their error is the rounding
+    of terms of size ~1, not of the small sum."""
+    return 1e-2 * ref.numel() ** 0.5
+
+
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     device=st.sampled_from(DEVICES),
@@ -31,7 +38,8 @@ def test_fuzz_forward(device, dtype, layout, nq, nd, lq, ld, dim, masked, seed):
     if layout in ("cross", "grouped"):
         D = rand(*((nd,) if layout == "cross" else (nq, nd)), ld, dim, dtype=dtype, device=device, gen=g)
         dm = (torch.rand(D.shape[:-1], generator=g) > 0.3).to(device) if masked else None
-        assert_close(ms.maxsim(Q, D, qm, dm), ms.maxsim_reference(Q, D, qm, dm), dtype)
+        ref = ms.maxsim_reference(Q, D, qm, dm)
+        assert_close(ms.maxsim(Q, D, qm, dm), ref, dtype, floor=_floor(ref))
         return
     qlen = torch.randint(0, lq + 1, (nq,), generator=g)
     if layout == "padded":
@@ -39,7 +47,7 @@ def test_fuzz_forward(device, dtype, layout, nq, nd, lq, ld, dim, masked, seed):
         dlen = torch.randint(0, ld + 1, (nq, nd), generator=g)
         ref = ms.maxsim_reference(Q, D, lengths_mask(qlen, lq), lengths_mask(dlen, ld).view(nq, nd, ld))
         out = ms.score_candidates_padded(Q, D, qlen.to(device), dlen.to(device))
-        assert_close(out, ref, dtype)
+        assert_close(out, ref, dtype, floor=_floor(ref))
         return
     dlen = torch.randint(0, ld + 1, (nd,), generator=g)
     qoff = torch.cat([torch.zeros(1, dtype=torch.long), qlen.cumsum(0)])
@@ -52,4 +60,4 @@ def test_fuzz_forward(device, dtype, layout, nq, nd, lq, ld, dim, masked, seed):
     pd = torch.randint(0, nd, (P,), generator=g)
     full = ms.maxsim_reference(Q, D, lengths_mask(qlen, lq), lengths_mask(dlen, ld))
     out = ms.score_pairs_packed(q, qoff.to(device), d, doff.to(device), pq.to(device), pd.to(device))
-    assert_close(out, full[pq, pd], dtype)
+    assert_close(out, full[pq, pd], dtype, floor=_floor(full[pq, pd]))
