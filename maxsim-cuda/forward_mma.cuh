@@ -18,6 +18,10 @@
 // scale (> 0) commutes with the max and is applied to the row maxima.
 #pragma once
 
+#include <map>
+#include <mutex>
+#include <utility>
+
 #include <c10/cuda/CUDAException.h>
 
 #include "common.cuh"
@@ -571,12 +575,25 @@ inline void launch_mma_cfg(const FwdParams& p, int64_t item0, int64_t nitems, si
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// Resident CTAs per SM, cached per (device, shared memory): the host asks on
+// every call, and the runtime query is a measurable share of a short call.
 template <typename T, int CFG, bool ARG, int SCM>
 inline int mma_occupancy_cfg(size_t smem) {
   using C = typename MmaCfgOf<CFG>::type;
+  static std::mutex mu;
+  static std::map<std::pair<int, size_t>, int> cache;
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = cache.find({dev, smem});
+    if (it != cache.end()) return it->second;
+  }
   prepare_mma<T, CFG, ARG, SCM>(smem);
   int n = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, mma_fwd_kernel<T, C, ARG, SCM>, C::NTH, smem));
+  std::lock_guard<std::mutex> lock(mu);
+  cache[{dev, smem}] = n;
   return n;
 }
 
