@@ -366,11 +366,17 @@ def main():
         rows += run_train(ms, pe, only)
     if args.cold_start:
         rows += cold_start(["naive", "maxsim"] + list(pe))
+    write_results(rows, args.out, "", copy_tb_s=bw / 1e12, matmul_tflop_s=flops / 1e12)
+
+
+def write_results(rows, out, suffix: str, **meta) -> None:
+    """bench_results/<gpu><suffix>.json (or ``out``): {"meta": {gpu, torch,
+    date, commit (MAXSIM_COMMIT or git HEAD), **meta}, "rows": rows}."""
+    gpu = torch.cuda.get_device_name()
     commit = os.environ.get("MAXSIM_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    meta = dict(gpu=gpu, torch=torch.__version__, date=datetime.date.today().isoformat(), commit=commit,
-                copy_tb_s=bw / 1e12, matmul_tflop_s=flops / 1e12)
-    out = Path(args.out or ROOT / "bench_results" / f"{gpu.lower().replace(' ', '-')}.json")
+    meta = dict(gpu=gpu, torch=torch.__version__, date=datetime.date.today().isoformat(), commit=commit, **meta)
+    out = Path(out or ROOT / "bench_results" / f"{gpu.lower().replace(' ', '-')}{suffix}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=2) + "\n")
     print(f"wrote {out}")

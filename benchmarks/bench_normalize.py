@@ -14,10 +14,6 @@ Writes ``bench_results/<gpu>-normalize.json``: rows ``{"workload", "impl",
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu import ROOT, bench, graph_ms, load_maxsim  # noqa: E402
+from bench_gpu import bench, graph_ms, load_maxsim, write_results  # noqa: E402
 
 # name: (Nq, Nd, Lq, Ld, mode)
 WORKLOADS = {
@@ -106,13 +102,7 @@ def main():
             print(f"{name:<18} {impl:<20} {mode:<8} {t:8.4f} {gs:>9} {peak:9.1f} {es:>9}", flush=True)
             rows.append(dict(workload=name, impl=impl, mode=mode, dtype="bf16", ms=t, graph_ms=tg,
                              peak_mib=peak, relerr=err))
-    commit = os.environ.get("MAXSIM_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    meta = dict(gpu=gpu, torch=torch.__version__, date=datetime.date.today().isoformat(), commit=commit)
-    out = Path(args.out or ROOT / "bench_results" / f"{gpu.lower().replace(' ', '-')}-normalize.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=2) + "\n")
-    print(f"wrote {out}")
+    write_results(rows, args.out, "-normalize")
 
 
 if __name__ == "__main__":

@@ -45,6 +45,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "convert.cuh"
+
 namespace maxsim {
 namespace cuda_bwd {
 
@@ -94,34 +96,8 @@ struct BwdParams {
 // ---------------------------------------------------------------------------
 // 16-byte vectors (VEC elements) or scalars (VEC == 1).
 // ---------------------------------------------------------------------------
-template <class T>
-__device__ __forceinline__ float to_f(T x);
-template <>
-__device__ __forceinline__ float to_f<float>(float x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ float to_f<__half>(__half x) {
-  return __half2float(x);
-}
-template <>
-__device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 x) {
-  return __bfloat162float(x);
-}
-template <class T>
-__device__ __forceinline__ T from_f(float x);
-template <>
-__device__ __forceinline__ float from_f<float>(float x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ __half from_f<__half>(float x) {
-  return __float2half_rn(x);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
+using cuda_cvt::from_f;
+using cuda_cvt::to_f;
 
 // Two 16-bit values packed in a 32-bit word (element 0 in the low half).
 template <class T>

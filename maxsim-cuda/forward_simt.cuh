@@ -14,6 +14,7 @@
 #include <c10/cuda/CUDAException.h>
 
 #include "common.cuh"
+#include "convert.cuh"
 
 namespace maxsim {
 namespace cuda_fwd {
@@ -21,20 +22,7 @@ namespace cuda_fwd {
 constexpr int kSimtBM = 64, kSimtBN = 64, kSimtBK = 16, kSimtNTH = 256;
 constexpr int kSimtPitch = 68;  // floats per smem row (16B aligned, fewer conflicts)
 
-template <typename T>
-__device__ __forceinline__ float to_f32(T v);
-template <>
-__device__ __forceinline__ float to_f32<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ float to_f32<__half>(__half v) {
-  return __half2float(v);
-}
-template <>
-__device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 v) {
-  return __bfloat162float(v);
-}
+using cuda_cvt::to_f;
 
 template <typename T, bool ARG>
 __global__ void __launch_bounds__(kSimtNTH, 2) simt_fwd_kernel(FwdParams p, int64_t item0) {
@@ -86,8 +74,8 @@ __global__ void __launch_bounds__(kSimtNTH, 2) simt_fwd_kernel(FwdParams p, int6
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       int k = k0 + e;
-      ra[e] = (qrow >= 0 && k < dim) ? to_f32<T>(qr[k]) * qsc : 0.f;
-      rbv[e] = (dok && k < dim) ? to_f32<T>(dr[k]) * dsc : 0.f;
+      ra[e] = (qrow >= 0 && k < dim) ? to_f<T>(qr[k]) * qsc : 0.f;
+      rbv[e] = (dok && k < dim) ? to_f<T>(dr[k]) * dsc : 0.f;
     }
   };
   auto store_smem = [&](int buf) {

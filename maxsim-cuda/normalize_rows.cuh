@@ -17,40 +17,16 @@
 
 #include <cstdint>
 
+#include "convert.cuh"
+
 namespace maxsim {
 namespace cuda_norm {
 
 constexpr float kEps = 1e-12f;
 constexpr int kWarpsPerBlock = 8;
 
-template <class T>
-__device__ __forceinline__ float as_f(T v);
-template <>
-__device__ __forceinline__ float as_f<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ float as_f<__half>(__half v) {
-  return __half2float(v);
-}
-template <>
-__device__ __forceinline__ float as_f<__nv_bfloat16>(__nv_bfloat16 v) {
-  return __bfloat162float(v);
-}
-template <class T>
-__device__ __forceinline__ T from_f(float v);
-template <>
-__device__ __forceinline__ float from_f<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ __half from_f<__half>(float v) {
-  return __float2half_rn(v);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
+using cuda_cvt::from_f;
+using cuda_cvt::to_f;
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -62,7 +38,7 @@ template <class T>
 __device__ __forceinline__ float row_sumsq(const T* __restrict__ x, int64_t dim, int lane) {
   float ss = 0.f;
   for (int64_t k = lane; k < dim; k += 32) {
-    const float v = as_f<T>(x[k]);
+    const float v = to_f<T>(x[k]);
     ss = fmaf(v, v, ss);
   }
   return warp_sum(ss);
@@ -91,11 +67,11 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   const float inv = 1.f / fmaxf(nrm, kEps);
   float c = 0.f;
   if (nrm >= kEps) {
-    for (int64_t k = lane; k < dim; k += 32) c = fmaf(as_f<T>(xr[k]) * inv, gr[k], c);
+    for (int64_t k = lane; k < dim; k += 32) c = fmaf(to_f<T>(xr[k]) * inv, gr[k], c);
     c = warp_sum(c);
   }
   for (int64_t k = lane; k < dim; k += 32)
-    out[r * dim + k] = from_f<T>(inv * (gr[k] - as_f<T>(xr[k]) * inv * c));
+    out[r * dim + k] = from_f<T>(inv * (gr[k] - to_f<T>(xr[k]) * inv * c));
 }
 
 // 16-byte rows (dim * sizeof(T) % 16 == 0, aligned): 8 lanes per row, each
@@ -115,7 +91,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) inv_norms_vec_kernel(cons
       const T* e = reinterpret_cast<const T*>(&u);
 #pragma unroll
       for (int k = 0; k < E; ++k) {
-        const float f = as_f<T>(e[k]);
+        const float f = to_f<T>(e[k]);
         ss = fmaf(f, f, ss);
       }
     }
