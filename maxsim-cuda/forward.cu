@@ -22,8 +22,8 @@
 // from a small pre-pass (normalize_rows.cuh), the documents' computed by the
 // tensor-core kernel from its own B fragments (documents read once); the
 // SIMT kernel takes both from pre-passes and scales rows as it converts
-// them. No normalised copy is written. The wgmma path
-// has no scaled variant, so normalize stays on the mma.sync kernel.
+// them; the wgmma kernel stages the documents' pre-pass norms with each
+// tile (as 8-bit token scales). No normalised copy is written.
 //
 // Hook for other kernels (e.g. a wgmma path for large lq on sm_90): plug in at
 // the "path selection" block of forward_cuda; FwdParams carries everything
@@ -133,7 +133,12 @@ void run_mma_any(at::ScalarType t, int cfg, bool arg, const FwdParams& p, int64_
     run_mma<float>(cfg, arg, p, item0, n, smem, st);
 }
 
-bool wgmma_ready_any(at::ScalarType t, int64_t dim, bool arg) {
+bool wgmma_ready_any(at::ScalarType t, int64_t dim, bool arg, bool scaled) {
+  if (scaled) {  // 16-bit tokens under normalize
+    if (t == at::kHalf) return run_wgmma_scaled_available<__half>(dim, arg);
+    if (t == at::kBFloat16) return run_wgmma_scaled_available<__nv_bfloat16>(dim, arg);
+    return false;
+  }
   if (t == at::kHalf) return run_wgmma_available<__half>(dim, arg);
   if (t == at::kBFloat16) return run_wgmma_available<__nv_bfloat16>(dim, arg);
   if (t == at::kChar) return run_wgmma_available<int8_t>(dim, arg);
@@ -141,7 +146,14 @@ bool wgmma_ready_any(at::ScalarType t, int64_t dim, bool arg) {
 }
 
 void run_wgmma_any(at::ScalarType t, bool arg, const FwdParams& p, int64_t dim, int64_t item0, int64_t n,
-                   int num_sms, cudaStream_t st) {
+                   int num_sms, cudaStream_t st, bool scaled) {
+  if (scaled) {
+    if (t == at::kHalf)
+      run_wgmma_scaled<__half>(arg, p, dim, item0, n, num_sms, st);
+    else
+      run_wgmma_scaled<__nv_bfloat16>(arg, p, dim, item0, n, num_sms, st);
+    return;
+  }
   if (t == at::kHalf)
     run_wgmma<__half>(arg, p, dim, item0, n, num_sms, st);
   else if (t == at::kChar)
@@ -381,8 +393,8 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
   TORCH_CHECK(use_mma || !quant, "maxsim: quantized query tile of dim ", dim, " does not fit in shared memory");
   // sm_90a wgmma + TMA kernel when its 128-row M tile is (nearly) full.
   const int64_t wg_rows = layout == kCross ? std::min<int64_t>(Nq * lq, kWgBM) : std::min<int64_t>(lq, kWgBM);
-  const bool use_wg = use_mma && !scaled && dtype != at::kFloat && g_forced_cfg < 0 && prop->major == 9 &&
-                      wg_rows >= kWgBM && wgmma_shape_ok(p, dim, esz) && wgmma_ready_any(dtype, dim, arg);
+  const bool use_wg = use_mma && dtype != at::kFloat && g_forced_cfg < 0 && prop->major == 9 &&
+                      wg_rows >= kWgBM && wgmma_shape_ok(p, dim, esz) && wgmma_ready_any(dtype, dim, arg, scaled);
 
   const int bm = use_wg ? kWgBM : use_mma ? mma_cfg_info(cfg).bm : kSimtBM;
   const int bn = use_wg ? kWgBN : use_mma ? mma_cfg_info(cfg).bn : kSimtBN;
@@ -460,7 +472,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
     }
   }
 
-  if (scaled && !use_mma) {
+  if (scaled && (!use_mma || use_wg)) {  // the mma.sync kernel derives its own
     d_inv = cuda_norm::inv_norms(d);
     p.d_scale = d_inv.data_ptr<float>();
   }
@@ -470,7 +482,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
   for (int64_t item0 = 0; item0 < total_items; item0 += kMaxGrid) {
     const int64_t n = std::min(kMaxGrid, total_items - item0);
     if (use_wg)
-      run_wgmma_any(dtype, arg, p, dim, item0, n, num_sms, stream);
+      run_wgmma_any(dtype, arg, p, dim, item0, n, num_sms, stream, scaled);
     else if (use_mma)
       run_mma_any(dtype, cfg, arg, p, item0, n, smem, stream, scaled);
     else

@@ -367,13 +367,13 @@ __device__ __forceinline__ void wg_finish(const FwdParams& p, const Work& w, con
 // increasing order). Out-of-range / masked columns become -inf. The row max
 // is taken first (max.NaN tree); with argmax, a tile that beats the running
 // max (strictly, or by a first NaN) is searched for its lowest winning column.
-template <typename T, int NJ, bool ARG>
+template <typename T, int NJ, bool ARG, bool SC>
 __device__ __forceinline__ void wg_fold(const FwdParams& p, const Work& w, float* acc, int jt, float* best,
                                         int* bidx, bool arg_search, const float* tile_scale) {
   const int lane = threadIdx.x & 31;
-  if constexpr (kIsQuant<T>) {
-    // Products of 8-bit tokens: fp32 value times the doc token's scale
-    // (staged with the tile), before the max.
+  if constexpr (SC) {
+    // Scaled tokens (int8, or normalize): fp32 product times the doc token's
+    // scale (staged with the tile), before the max.
     const float* cs = tile_scale + 2 * (lane & 3);
 #pragma unroll
     for (int jn = 0; jn < NJ; ++jn)
@@ -458,7 +458,7 @@ __device__ __forceinline__ void wg_fold(const FwdParams& p, const Work& w, float
 // One doc tile for a consumer warpgroup: wait for the stage, run the wgmma
 // chain (dim / 16 k steps) into acc, retire it, free the stage (unless the
 // doc chunk stays resident), fold.
-template <typename T, int NKB, bool ARG>
+template <typename T, int NKB, bool ARG, bool SC>
 __device__ __forceinline__ void wg_tile(const FwdParams& p, const Work& w, float* acc, float* acch,
                                         const uint32_t (*a)[4],
                                         int j, uint32_t g, uint32_t d_s, uint32_t bar_full, uint32_t bar_empty,
@@ -482,7 +482,7 @@ __device__ __forceinline__ void wg_tile(const FwdParams& p, const Work& w, float
     wg_wait<0>();
     wg_fence_acc<32>(acch);
     if (release && (threadIdx.x & 31) == 0) mbar_arrive(bar_empty + 8u * s);
-    wg_fold<T, 8, ARG>(p, w, acch, j, best, bidx, arg_search, tile_scale);
+    wg_fold<T, 8, ARG, SC>(p, w, acch, j, best, bidx, arg_search, tile_scale);
   } else {
     wg_fence_acc<64>(acc);
     wg_fence();
@@ -493,12 +493,12 @@ __device__ __forceinline__ void wg_tile(const FwdParams& p, const Work& w, float
     wg_wait<0>();
     wg_fence_acc<64>(acc);
     if (release && (threadIdx.x & 31) == 0) mbar_arrive(bar_empty + 8u * s);
-    wg_fold<T, 16, ARG>(p, w, acc, j, best, bidx, arg_search, tile_scale);
+    wg_fold<T, 16, ARG, SC>(p, w, acc, j, best, bidx, arg_search, tile_scale);
   }
 }
 #endif  // MAXSIM_WG_DEVICE
 
-template <typename T, int NKB, bool ARG>
+template <typename T, int NKB, bool ARG, bool SC>
 __global__ void __launch_bounds__(kWgThreads, 1)
     wg_fwd_kernel(const __grid_constant__ CUtensorMap tmap, const __grid_constant__ CUtensorMap smap,
                   const FwdParams p, int64_t item0, int64_t nitems, int flags) {
@@ -519,8 +519,9 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   const uint32_t base = (smem_u32(wg_smem) + 1023u) & ~1023u;
   const uint32_t d_s = base;
   const uint32_t q_s = base + (uint32_t)(ST * C::STAGE_BYTES);
-  constexpr bool Q8 = kIsQuant<T>;
-  // 8-bit tokens: [ST][BN] doc-token scales, one row per stage.
+  static_assert(SC || !kIsQuant<T>, "int8 tokens carry scales");
+  constexpr bool Q8 = SC;  // scaled tokens: int8, or 16-bit under normalize
+  // Scaled tokens: doc-token scales, one row per stage.
   const uint32_t sc_s = q_s + (uint32_t)C::Q_BYTES;
   const float* sc_g = reinterpret_cast<const float*>(wg_smem + (sc_s - smem_u32(wg_smem)));
   const uint32_t bar0 = smem_u32(bars);
@@ -715,7 +716,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       }
       const bool hold = ntiles <= ST;
       for (int j = 0; j < ntiles; ++j)
-        wg_tile<T, NKB, ARG>(p, w, acc, acch, a, j, chunk_g + (uint32_t)j, d_s, bar_full, bar_empty, best, bidx,
+        wg_tile<T, NKB, ARG, SC>(p, w, acc, acch, a, j, chunk_g + (uint32_t)j, d_s, bar_full, bar_empty, best, bidx,
                              !hold, arg_search, sc_g);
       if (hold && !resident) {
         held_base = chunk_g;
@@ -790,7 +791,7 @@ inline bool wgmma_shape_ok(const FwdParams& p, int64_t dim, int64_t esz) {
   return wg_encode_fn() != nullptr;
 }
 
-template <typename T, int NKB, bool ARG>
+template <typename T, int NKB, bool ARG, bool SC>
 inline bool wg_kernel_ready() {
   // Per device: raise the dynamic shared-memory limit once and check that the
   // kernel was compiled with its sm_90a body (an empty stub otherwise: no
@@ -801,9 +802,9 @@ inline bool wg_kernel_ready() {
   if (dev >= 64) return false;
   if (state[dev] == 0) {
     cudaFuncAttributes attr{};
-    bool ok = cudaFuncGetAttributes(&attr, wg_fwd_kernel<T, NKB, ARG>) == cudaSuccess && attr.sharedSizeBytes > 0;
+    bool ok = cudaFuncGetAttributes(&attr, wg_fwd_kernel<T, NKB, ARG, SC>) == cudaSuccess && attr.sharedSizeBytes > 0;
     if (ok)
-      ok = cudaFuncSetAttribute(wg_fwd_kernel<T, NKB, ARG>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+      ok = cudaFuncSetAttribute(wg_fwd_kernel<T, NKB, ARG, SC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                 WgCfg<NKB>::SMEM) == cudaSuccess;
     if (!ok) (void)cudaGetLastError();
     state[dev] = ok ? 1 : -1;
@@ -811,7 +812,7 @@ inline bool wg_kernel_ready() {
   return state[dev] == 1;
 }
 
-template <typename T>
+template <typename T, bool SC>
 inline bool wgmma_available(int64_t dim, bool arg) {
   int dev = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
@@ -819,14 +820,17 @@ inline bool wgmma_available(int64_t dim, bool arg) {
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
   if (major != 9 || minor != 0) return false;
-  if (dim * (int64_t)sizeof(T) <= 128) return arg ? wg_kernel_ready<T, 1, true>() : wg_kernel_ready<T, 1, false>();
-  return arg ? wg_kernel_ready<T, 2, true>() : wg_kernel_ready<T, 2, false>();
+  if (dim * (int64_t)sizeof(T) <= 128)
+    return arg ? wg_kernel_ready<T, 1, true, SC>() : wg_kernel_ready<T, 1, false, SC>();
+  return arg ? wg_kernel_ready<T, 2, true, SC>() : wg_kernel_ready<T, 2, false, SC>();
 }
 
 // Launches the persistent kernel over work items [item0, item0 + nitems).
 // p must be set up for BM = kWgBM, BN = kWgBN (qpt, tpq, mt_total, S,
 // row_mode, workspaces), exactly as for the other kernels.
-template <typename T>
+// SC: per-token scales in p.q_scale / p.d_scale (int8 tokens; 16-bit tokens
+// under normalize, with the documents' inverse norms from a pre-pass).
+template <typename T, bool SC>
 inline void launch_wgmma(bool arg, const FwdParams& p, int64_t dim, int64_t item0, int64_t nitems, int num_sms,
                          cudaStream_t stream) {
   if (nitems <= 0) return;
@@ -843,8 +847,8 @@ inline void launch_wgmma(bool arg, const FwdParams& p, int64_t dim, int64_t item
                               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   TORCH_CHECK(r == CUDA_SUCCESS, "maxsim: cuTensorMapEncodeTiled failed (", (int)r, ")");
-  smap = map;  // unused by 16-bit kernels
-  if (q8) {  // doc-token scales, one BN-row box per stage (rows past Td read as 0)
+  smap = map;  // unused by unscaled kernels
+  if (SC) {  // doc-token scales, one BN-row box per stage (rows past Td read as 0)
     cuuint64_t sdim[1] = {(cuuint64_t)p.Td};
     cuuint64_t sgstride[1] = {(cuuint64_t)p.Td * 4};  // rank 1 reads none; never passed as null
     cuuint32_t sbox[1] = {(cuuint32_t)kWgScaleBox};
@@ -868,39 +872,47 @@ inline void launch_wgmma(bool arg, const FwdParams& p, int64_t dim, int64_t item
                   ? kWgContiguous | kWgFastLoader
                   : 0;
   if (wg_forced_flags() >= 0) flags = wg_forced_flags();
-  TORCH_CHECK(wgmma_available<T>(dim, arg), "maxsim: wgmma kernel unavailable");
+  TORCH_CHECK((wgmma_available<T, SC>(dim, arg)), "maxsim: wgmma kernel unavailable");
   if (small) {
     if (arg)
-      wg_fwd_kernel<T, 1, true><<<grid, kWgThreads, WgCfg<1>::SMEM, stream>>>(map, smap, p, item0, nitems, flags);
+      wg_fwd_kernel<T, 1, true, SC><<<grid, kWgThreads, WgCfg<1>::SMEM, stream>>>(map, smap, p, item0, nitems, flags);
     else
-      wg_fwd_kernel<T, 1, false><<<grid, kWgThreads, WgCfg<1>::SMEM, stream>>>(map, smap, p, item0, nitems, flags);
+      wg_fwd_kernel<T, 1, false, SC><<<grid, kWgThreads, WgCfg<1>::SMEM, stream>>>(map, smap, p, item0, nitems, flags);
   } else {
     if (arg)
-      wg_fwd_kernel<T, 2, true><<<grid, kWgThreads, WgCfg<2>::SMEM, stream>>>(map, smap, p, item0, nitems, flags);
+      wg_fwd_kernel<T, 2, true, SC><<<grid, kWgThreads, WgCfg<2>::SMEM, stream>>>(map, smap, p, item0, nitems, flags);
     else
-      wg_fwd_kernel<T, 2, false><<<grid, kWgThreads, WgCfg<2>::SMEM, stream>>>(map, smap, p, item0, nitems, flags);
+      wg_fwd_kernel<T, 2, false, SC><<<grid, kWgThreads, WgCfg<2>::SMEM, stream>>>(map, smap, p, item0, nitems, flags);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // Per-dtype entry points (defined in forward_wgmma_<dtype>.cu so the kernels
-// are compiled once).
+// are compiled once; the scaled 16-bit kernels of normalize in
+// forward_wgmma_<dtype>_normalize.cu).
 template <typename T>
 bool run_wgmma_available(int64_t dim, bool arg);
 template <typename T>
 void run_wgmma(bool arg, const FwdParams& p, int64_t dim, int64_t item0, int64_t nitems, int num_sms,
                cudaStream_t stream);
+template <typename T>
+bool run_wgmma_scaled_available(int64_t dim, bool arg);
+template <typename T>
+void run_wgmma_scaled(bool arg, const FwdParams& p, int64_t dim, int64_t item0, int64_t nitems, int num_sms,
+                      cudaStream_t stream);
 
-#define MAXSIM_DEFINE_WGMMA_RUNNERS(T)                                                                   \
+#define MAXSIM_DEFINE_WGMMA_RUNNERS_(NAME, T, SC)                                                        \
   template <>                                                                                            \
-  bool run_wgmma_available<T>(int64_t dim, bool arg) {                                                   \
-    return wgmma_available<T>(dim, arg);                                                                 \
+  bool NAME##_available<T>(int64_t dim, bool arg) {                                                      \
+    return wgmma_available<T, SC>(dim, arg);                                                             \
   }                                                                                                      \
   template <>                                                                                            \
-  void run_wgmma<T>(bool arg, const FwdParams& p, int64_t dim, int64_t item0, int64_t nitems, int num_sms, \
-                    cudaStream_t stream) {                                                               \
-    launch_wgmma<T>(arg, p, dim, item0, nitems, num_sms, stream);                                        \
+  void NAME<T>(bool arg, const FwdParams& p, int64_t dim, int64_t item0, int64_t nitems, int num_sms,    \
+               cudaStream_t stream) {                                                                    \
+    launch_wgmma<T, SC>(arg, p, dim, item0, nitems, num_sms, stream);                                    \
   }
+#define MAXSIM_DEFINE_WGMMA_RUNNERS(T) MAXSIM_DEFINE_WGMMA_RUNNERS_(run_wgmma, T, kIsQuant<T>)
+#define MAXSIM_DEFINE_WGMMA_SCALED_RUNNERS(T) MAXSIM_DEFINE_WGMMA_RUNNERS_(run_wgmma_scaled, T, true)
 
 }  // namespace cuda_fwd
 }  // namespace maxsim

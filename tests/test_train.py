@@ -179,10 +179,11 @@ def test_normalize_fused(ms, device, dtype, surface):
 
 @pytest.mark.parametrize("tf32", [False, True], ids=["exact", "tf32"])
 @pytest.mark.parametrize("shape", [(2, 1, 5, 1), (3, 33, 70, 17), (2, 40, 300, 128), (1, 130, 90, 256),
-                                   (5, 7, 1000, 64)])
+                                   (5, 7, 1000, 64), (8, 32, 300, 128), (1, 130, 200, 128)])
 def test_normalize_forward_shapes(ms, device, dtype, shape, tf32):
     """normalize=True over dims that take every kernel path (odd dims: SIMT;
-    dim 256: two k chunks; lq 130: the 128-row tile), with document masks."""
+    dim 256: two k chunks; lq 130: the 128-row tile; >= 128 query rows of
+    16-bit tokens on sm_90: wgmma), with document masks; argmax too."""
     if tf32 and dtype != torch.float32:
         pytest.skip("tf32 applies to fp32")
     Nq, Lq, Ld, dim = shape
@@ -190,10 +191,15 @@ def test_normalize_forward_shapes(ms, device, dtype, shape, tf32):
     Q = (torch.randn(Nq, Lq, dim, generator=gen) * 3).to(dtype)
     D = (torch.randn(4, Ld, dim, generator=gen) * torch.rand(4, Ld, 1, generator=gen) * 5).to(dtype)
     dm = torch.rand(4, Ld, generator=gen) > 0.25
-    s, _ = ms.score_candidates_padded_with_argmax(Q.to(device), D.to(device)[None].expand(Nq, -1, -1, -1),
+    s, a = ms.score_candidates_padded_with_argmax(Q.to(device), D.to(device)[None].expand(Nq, -1, -1, -1),
                                                   normalize=True, tf32=tf32)
     ref = ms.maxsim_reference(_nrm(Q.double()), _nrm(D.double()))
     assert relerr(s, ref) < (2e-3 if tf32 else 1e-5)
+    sim = torch.einsum("qid,njd->qnij", _nrm(Q.double()), _nrm(D.double()))
+    top2 = sim.topk(min(2, Ld), dim=-1).values
+    clear = (top2[..., 0] - top2[..., -1] > 1e-4) if Ld > 1 else torch.ones(top2.shape[:-1], dtype=torch.bool)
+    if not tf32:
+        assert torch.equal(a.cpu().long()[clear], sim.argmax(-1)[clear])
     s2 = ms.maxsim(Q.to(device), D.to(device), None, dm.to(device), normalize=True, tf32=tf32)
     ref2 = ms.maxsim_reference(_nrm(Q.double()), _nrm(D.double()), None, dm)
     assert relerr(s2, ref2) < (2e-3 if tf32 else 1e-5)
