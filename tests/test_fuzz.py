@@ -61,3 +61,74 @@ def test_fuzz_forward(device, dtype, layout, nq, nd, lq, ld, dim, masked, seed):
     full = ms.maxsim_reference(Q, D, lengths_mask(qlen, lq), lengths_mask(dlen, ld))
     out = ms.score_pairs_packed(q, qoff.to(device), d, doff.to(device), pq.to(device), pd.to(device))
     assert_close(out, full[pq, pd], dtype, floor=_floor(full[pq, pd]))
+
+
+# Gradients: bf16 / fp16 outputs are rounded once, so a few-element gradient
+# can sit a full rounding step from the fp64 value.
+GRAD_TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 4e-3}
+
+
+def _nrm(x, on):
+    return torch.nn.functional.normalize(x, dim=-1) if on else x
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    device=st.sampled_from(DEVICES),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    layout=st.sampled_from(["cross", "grouped", "padded", "pairs"]),
+    nq=st.integers(1, 4), nd=st.integers(1, 5), lq=lens, ld=lens, dim=dims,
+    masked=st.booleans(), normalize=st.booleans(), seed=st.integers(0, 2**31 - 1),
+)
+def test_fuzz_train(device, dtype, layout, nq, nd, lq, ld, dim, masked, normalize, seed):
+    """Both gradients of every _train surface (and maxsim()) against fp64
+    autograd through the reference, with masks / lengths and normalize."""
+    g = torch.Generator().manual_seed(seed)
+    Q0 = (torch.randn(nq, lq, dim, generator=g) * (3 if normalize else 1)).to(dtype)
+    if layout == "cross":
+        D0 = torch.randn(nd, ld, dim, generator=g).to(dtype)
+    else:
+        D0 = torch.randn(nq, nd, ld, dim, generator=g).to(dtype)
+    qm = torch.rand(nq, lq, generator=g) > 0.3 if masked else None
+    dm = torch.rand(D0.shape[:-1], generator=g) > 0.3 if masked else None
+    qlen = torch.randint(0, lq + 1, (nq,), generator=g)
+    dlen = torch.randint(0, ld + 1, D0.shape[:-2], generator=g)
+    Q, D = Q0.clone().to(device).requires_grad_(), D0.clone().to(device).requires_grad_()
+    Qr, Dr = Q0.double().requires_grad_(), D0.double().requires_grad_()
+    Qn, Dn = _nrm(Qr, normalize), _nrm(Dr, normalize)
+    if layout in ("cross", "grouped"):
+        out = ms.maxsim(Q, D, None if qm is None else qm.to(device), None if dm is None else dm.to(device),
+                        normalize=normalize)
+        ref = ms.maxsim_reference(Qn, Dn, qm, dm)
+    elif layout == "padded":
+        out = ms.score_candidates_padded_train(Q, D, qlen.to(device), dlen.to(device), normalize=normalize)
+        ref = ms.maxsim_reference(Qn, Dn, lengths_mask(qlen, lq), lengths_mask(dlen, ld).view(nq, nd, ld))
+    else:  # packed pairs over the first lengths of each query / document
+        dlen = dlen[0]
+        qoff = torch.cat([torch.zeros(1, dtype=torch.long), qlen.cumsum(0)])
+        doff = torch.cat([torch.zeros(1, dtype=torch.long), dlen.cumsum(0)])
+        P = int(torch.randint(1, 3 * nq * nd + 1, (1,), generator=g))
+        pq, pd = torch.randint(0, nq, (P,), generator=g), torch.randint(0, nd, (P,), generator=g)
+        q = torch.cat([Q0[i, : qlen[i]] for i in range(nq)]).to(device).requires_grad_()
+        d = torch.cat([D0[0, j, : dlen[j]] for j in range(nd)]).to(device).requires_grad_()
+        Q, D = q, d  # the tensors whose gradients are checked
+        qr = torch.cat([Q0[i, : qlen[i]] for i in range(nq)]).double().requires_grad_()
+        dr = torch.cat([D0[0, j, : dlen[j]] for j in range(nd)]).double().requires_grad_()
+        Qr, Dr = qr, dr
+        qn, dn = _nrm(qr, normalize), _nrm(dr, normalize)
+        out = ms.score_pairs_packed_train(q, qoff.to(device), d, doff.to(device), pq.to(device), pd.to(device),
+                                          max_query_length=lq, normalize=normalize)
+        sims = []
+        for p in range(P):
+            a, b = qn[qoff[pq[p]]: qoff[pq[p] + 1]], dn[doff[pd[p]]: doff[pd[p] + 1]]
+            sims.append((a @ b.T).max(dim=1).values.sum() if len(a) and len(b) else qn.sum() * 0)
+        ref = torch.stack(sims)
+    w = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    (out * w.to(device)).sum().backward()
+    (ref * w).sum().backward()
+    assert_close(out.detach(), ref.detach(), torch.float32, floor=_floor(ref))
+    for got, exp in ((Q.grad, Qr.grad), (D.grad, Dr.grad)):
+        assert got.dtype == dtype
+        exp = torch.zeros(got.shape, dtype=torch.float64) if exp is None else exp  # nothing selected
+        err = ((got.double().cpu() - exp).norm() / max(exp.norm().item(), 1e-2)).item()
+        assert err <= GRAD_TOL[dtype], f"grad relative error {err:.2e}"
