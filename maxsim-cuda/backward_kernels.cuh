@@ -177,7 +177,7 @@ struct Vec<T, 1> {  // scalar fallback (rows not 16-byte aligned)
 
 // One lane's VEC fp32 values stored to an output row: packed to T, or as
 // fp32 (O = float, the row sums of normalize; 16-byte aligned when VEC >= 4).
-template <class T, class O, int VEC>
+template <class O, int VEC>
 __device__ __forceinline__ void store_out(O* __restrict__ p, const float (&f)[VEC]) {
   if constexpr (!std::is_same<O, float>::value) {
     Vec<O, VEC>::store(p, Vec<O, VEC>::pack(f));
@@ -218,27 +218,27 @@ __device__ __forceinline__ void seg_gap(const int* __restrict__ start, int rows,
 }
 
 // Zeroes rows first, first + stride, ... of [r0, r1) (vector column `col`).
-template <class T, class O, int VEC>
+template <class O, int VEC>
 __device__ __forceinline__ void zero_rows(O* __restrict__ out, int64_t dim, int64_t r0, int64_t r1, int64_t first,
                                           int64_t stride, int64_t col, bool vok) {
   if (!vok) return;
   float z[VEC];
 #pragma unroll
   for (int e = 0; e < VEC; ++e) z[e] = 0.f;
-  for (int64_t r = r0 + first; r < r1; r += stride) store_out<T, O, VEC>(out + r * dim + col, z);
+  for (int64_t r = r0 + first; r < r1; r += stride) store_out<O, VEC>(out + r * dim + col, z);
 }
 
 // Zeroes the gap of segment n (and the prefix before segment 0), rows split
 // over `nparts` CTAs (this one: `part`) and NG groups (this one: gi).
-template <class T, class O, int VEC>
+template <class O, int VEC>
 __device__ __forceinline__ void zero_gap(O* __restrict__ out, const int* __restrict__ start, int rows, int64_t n,
                                          int64_t N, int64_t total, int64_t dim, int part, int nparts, int gi, int NG,
                                          int64_t col, bool vok) {
   int64_t z0, z1;
   seg_gap(start, rows, n, N, total, z0, z1);
   const int64_t first = part + (int64_t)gi * nparts, stride = (int64_t)NG * nparts;
-  zero_rows<T, O, VEC>(out, dim, z0, z1, first, stride, col, vok);
-  if (n == 0) zero_rows<T, O, VEC>(out, dim, 0, clamp_row(start[0], total), first, stride, col, vok);
+  zero_rows<O, VEC>(out, dim, z0, z1, first, stride, col, vok);
+  if (n == 0) zero_rows<O, VEC>(out, dim, 0, clamp_row(start[0], total), first, stride, col, vok);
 }
 
 // Pairs of query n: count, and pair k -> (pair id, doc id). False: skip.
@@ -456,9 +456,9 @@ __global__ void __launch_bounds__(kThreads, 3) dq_kernel(const BwdParams p, int6
       }
     }
   }
-  if (s == 0 && i < qrows && vok) store_out<T, O, VEC>(out + ((int64_t)p.q_start[n] + i) * dim + col, acc);
+  if (s == 0 && i < qrows && vok) store_out<O, VEC>(out + ((int64_t)p.q_start[n] + i) * dim + col, acc);
 
-  zero_gap<T, O, VEC>(out, p.q_start, qrows, n, p.Nq, p.Tq, dim, b, p.NB, gi, NG, col, vok);
+  zero_gap<O, VEC>(out, p.q_start, qrows, n, p.Nq, p.Tq, dim, b, p.NB, gi, NG, col, vok);
 }
 
 // ---------------------------------------------------------------------------
@@ -632,13 +632,13 @@ __global__ void __launch_bounds__(kThreads, 2) dd_kernel(const BwdParams p, int6
       for (int rr = gi; rr < rlen; rr += NG) {
         float f[VEC];
         smem_read<VEC>(acc + (size_t)rr * DCf, l, G, f);
-        store_out<T, O, VEC>(out + (ds + r0 + rr) * dim + col, f);
+        store_out<O, VEC>(out + (ds + r0 + rr) * dim + col, f);
       }
     }
     __syncthreads();  // the next pass clears the tile
   }
 
-  zero_gap<T, O, VEC>(out, p.d_start, drows, j, p.Nd, p.Td, dim, c, p.C, gi, NG, col, vok);
+  zero_gap<O, VEC>(out, p.d_start, drows, j, p.Nd, p.Td, dim, c, p.C, gi, NG, col, vok);
 }
 
 }  // namespace cuda_bwd

@@ -473,7 +473,7 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
             v += __shfl_xor_sync(0xffffffffu, v, 2);
 #pragma unroll
             for (int e = 0; e < 2; ++e)
-              cs[jn][e] = 1.f / fmaxf(sqrtf(__shfl_sync(0xffffffffu, v, ((lane & 3) * 2 + e) * 4)), 1e-12f);
+              cs[jn][e] = 1.f / fmaxf(sqrtf(__shfl_sync(0xffffffffu, v, ((lane & 3) * 2 + e) * 4)), 1e-12f);  // kNormEps
             dss[jn] = 0.f;
           }
         }
@@ -481,7 +481,7 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
 #pragma unroll
           for (int i = 0; i < MT; ++i)
 #pragma unroll
-            for (int jn = 0; jn < (SC ? NT : 1); ++jn)
+            for (int jn = 0; jn < NT; ++jn)
 #pragma unroll
               for (int e = 0; e < 4; ++e) acc[i][jn][e] = Mma<T>::value(acc[i][jn][e]) * cs[jn][e & 1];
         }

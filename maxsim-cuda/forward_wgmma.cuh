@@ -4,10 +4,11 @@
 // forward_quant) run the same kernel: a 32-byte k step is k16 for 16-bit and
 // k32 for 8-bit types, so fragments, swizzle and descriptors are unchanged.
 // fp8 e4m3 stays on mma.sync: Hopper's fp8 wgmma accumulates below fp32
-// precision (measured 6e-5 relative error on 128-element dot products). Their per-token scales: the
-// documents' travel with each doc tile (a 1-D TMA of the tile's scales into
-// the stage) and multiply the products before the max; the queries' multiply
-// the row maxima in the finisher.
+// precision (measured 6e-5 relative error on 128-element dot products).
+// Scaled variants (SC: int8 tokens, and 16-bit tokens under normalize) take
+// per-token scales: the documents' travel with each doc tile (a 1-D TMA of
+// the tile's scales into the stage) and multiply the products before the
+// max; the queries' multiply the row maxima in the finisher.
 //
 // Persistent kernel, one CTA per SM (384 threads), each CTA walking the same
 // work items as the other forward kernels (decode_work: M tile of BM = 128
@@ -68,7 +69,7 @@ constexpr int kWgBN = 128;       // doc tokens per pipeline stage
 constexpr int kWgThreads = 384;  // 2 consumer warpgroups + producer / loader / finisher warpgroup
 constexpr int kWgMaxDim = 128;
 
-// 8-bit tokens: a tile's doc-token scales arrive by a 1-D TMA whose start
+// Scaled variants: a tile's doc-token scales arrive by a 1-D TMA whose start
 // must be 16-byte aligned, so the box starts at the tile's first row rounded
 // down to 4 and holds BN + 4 scales; stages are 128-byte aligned.
 constexpr int kWgScaleBox = kWgBN + 4;
@@ -80,7 +81,7 @@ struct WgCfg {
   static constexpr int STAGES = NKB == 1 ? 8 : 5;
   static constexpr int STAGE_BYTES = NKB * kWgBN * 128;
   static constexpr int Q_BYTES = NKB * kWgBM * 128;
-  static constexpr int SCALE_BYTES = STAGES * kWgScaleStride * 4;  // 8-bit tokens: doc-token scales per stage
+  static constexpr int SCALE_BYTES = STAGES * kWgScaleStride * 4;  // scaled variants: doc-token scales per stage
   static constexpr int SMEM = STAGES * STAGE_BYTES + Q_BYTES + SCALE_BYTES + 1024;  // + alignment slack
 };
 
@@ -306,12 +307,12 @@ __device__ __forceinline__ void wg_slot_info(const FwdParams& p, const Work& w, 
 }
 
 // finish_tile (common.cuh) for one warp, with the slot states precomputed.
-template <int BM, bool ARG, bool Q8>
+template <int BM, bool ARG, bool SC>
 __device__ __forceinline__ void wg_finish(const FwdParams& p, const Work& w, const float* rb, const int* ri,
                                           const unsigned char* row_ok, const unsigned char* slot_st, int lane,
                                           const long long* rsrc) {
-  // 8-bit tokens: a query row's scale (> 0) commutes with its max.
-  auto rowv = [&](int r) { return Q8 && rb[r] != neg_inf() ? rb[r] * p.q_scale[rsrc[r]] : rb[r]; };
+  // Scaled variants: a query row's scale (> 0) commutes with its max.
+  auto rowv = [&](int r) { return SC && rb[r] != neg_inf() ? rb[r] * p.q_scale[rsrc[r]] : rb[r]; };
   if (p.row_mode <= 1) {
     const int nslots = p.layout == kCrossL ? p.qpt : 1;
     const int tt = w.mt % p.tpq;
@@ -520,8 +521,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   const uint32_t d_s = base;
   const uint32_t q_s = base + (uint32_t)(ST * C::STAGE_BYTES);
   static_assert(SC || !kIsQuant<T>, "int8 tokens carry scales");
-  constexpr bool Q8 = SC;  // scaled tokens: int8, or 16-bit under normalize
-  // Scaled tokens: doc-token scales, one row per stage.
+  // Scaled variants: doc-token scales, one row per stage.
   const uint32_t sc_s = q_s + (uint32_t)C::Q_BYTES;
   const float* sc_g = reinterpret_cast<const float*>(wg_smem + (sc_s - smem_u32(wg_smem)));
   const uint32_t bar0 = smem_u32(bars);
@@ -578,12 +578,12 @@ __global__ void __launch_bounds__(kWgThreads, 1)
           for (int j = 0; j < ntiles; ++j, ++g) {
             const int s = (int)(g % ST);
             mbar_wait(bar_empty + 8u * s, ((g / ST) & 1u) ^ 1u);
-            mbar_expect_tx(bar_full + 8u * s, (uint32_t)(C::STAGE_BYTES + (Q8 ? kWgScaleBox * 4 : 0)));
+            mbar_expect_tx(bar_full + 8u * s, (uint32_t)(C::STAGE_BYTES + (SC ? kWgScaleBox * 4 : 0)));
 #pragma unroll
             for (int kb = 0; kb < NKB; ++kb)
               tma_load_2d(d_s + (uint32_t)(s * C::STAGE_BYTES + kb * BN * 128), &tmap, kb * (128 / (int)sizeof(T)),
                           row0 + j * BN, bar_full + 8u * s);
-            if (Q8) tma_load_1d(sc_s + (uint32_t)(s * kWgScaleStride * 4), &smap, (row0 + j * BN) & ~3, bar_full + 8u * s);
+            if (SC) tma_load_1d(sc_s + (uint32_t)(s * kWgScaleStride * 4), &smap, (row0 + j * BN) & ~3, bar_full + 8u * s);
           }
         }
       }
@@ -663,7 +663,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
         const int b = (int)(it % NR);
         mbar_wait(bar_rfull + 8u * b, (it / NR) & 1u);
         const Work w = work_s[b];
-        wg_finish<BM, ARG, Q8>(p, w, rbest[b], ridx[ARG ? b : 0], row_ok[b], slot_st[b], lane, row_src[b]);
+        wg_finish<BM, ARG, SC>(p, w, rbest[b], ridx[ARG ? b : 0], row_ok[b], slot_st[b], lane, row_src[b]);
         __syncwarp();
         mbar_arrive(bar_free + 8u * b);
       }

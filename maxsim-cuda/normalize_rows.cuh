@@ -17,22 +17,19 @@
 
 #include <cstdint>
 
+#include "common.cuh"
 #include "convert.cuh"
+#include "normalize_rows.h"
 
 namespace maxsim {
 namespace cuda_norm {
 
-constexpr float kEps = 1e-12f;
+constexpr float kEps = (float)kNormEps;
 constexpr int kWarpsPerBlock = 8;
 
 using cuda_cvt::from_f;
 using cuda_cvt::to_f;
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
+using cuda_fwd::warp_sum;
 
 template <class T>
 __device__ __forceinline__ float row_sumsq(const T* __restrict__ x, int64_t dim, int lane) {

@@ -1,5 +1,5 @@
 // The row L2 normalisation of the `normalize` flag (torch_binding.h), in
-// ATen ops: the inverse norms, and the composite form for a backend whose
+// ATen ops: the composite form for a backend whose
 // kernels do not fold the norms in (Metal): normalised fp32 copies in, the
 // Jacobian applied to fp32 row sums out. CPU and CUDA fuse both halves into
 // their kernels and only share the constant.
@@ -11,16 +11,10 @@ namespace maxsim {
 
 constexpr double kNormEps = 1e-12;  // F.normalize's default
 
-// 1 / max(|x_r|, eps) per row, fp32 (fp64 for fp64 rows).
-inline at::Tensor inv_row_norms(const at::Tensor& x) {
-  const at::Tensor xf = x.scalar_type() == at::kDouble ? x : x.to(at::kFloat);
-  return at::linalg_vector_norm(xf, 2, at::IntArrayRef{1}, false).clamp_min(kNormEps).reciprocal();
-}
-
 // x_r / max(|x_r|, eps), fp32 (fp64 for fp64 rows).
 inline at::Tensor normalized_rows(const at::Tensor& x) {
   const at::Tensor xf = x.scalar_type() == at::kDouble ? x : x.to(at::kFloat);
-  return xf * inv_row_norms(x).unsqueeze(1);
+  return xf * at::linalg_vector_norm(xf, 2, at::IntArrayRef{1}, true).clamp_min(kNormEps).reciprocal();
 }
 
 // Gradient w.r.t. x of the loss whose gradient w.r.t. x^ = x / max(|x|, eps)

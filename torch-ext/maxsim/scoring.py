@@ -195,11 +195,8 @@ def _run(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d,
     # autograd node per call.
     grad = torch.is_grad_enabled() and (q.requires_grad or d.requires_grad)
     op = ops.forward_train if grad else ops.forward
-    if not normalize:  # the schema default: one argument less to parse
-        return op(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask,
-                  pair_q, pair_d, layout, lq, argmax_kind, tf32)
     return op(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask,
-              pair_q, pair_d, layout, lq, argmax_kind, tf32, True)
+              pair_q, pair_d, layout, lq, argmax_kind, tf32, normalize)
 
 
 def _empty_result(shape: tuple, lq: int, queries: Tensor, mode: str):
@@ -268,7 +265,7 @@ def score_candidates_padded(queries: Tensor, documents: Tensor, query_lengths: O
 
 def score_candidates_padded_with_argmax(queries, documents, query_lengths=None, doc_lengths=None, *,
                                         validate: bool = False, tf32: bool = False,
-                                  normalize: bool = False):
+                                        normalize: bool = False):
     """As :func:`score_candidates_padded`, plus int32 ``[B, K, Lq]`` winning
     document-token index per query token (-1 for padded query tokens and for
     tokens with no valid document token; lowest index on ties)."""
