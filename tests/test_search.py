@@ -192,6 +192,32 @@ def test_quantize_tokens(ms, device):
         ms.quantize_tokens(x, "int4")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kind", [0, 1])
+@pytest.mark.parametrize("device", DEVICES)
+def test_quantize_op_matches_reference(ms, device, kind, dtype):
+    """ops.quantize (one kernel) is bitwise the torch reference: odd dims,
+    zero rows, a NaN row, values on rounding ties, non-contiguous input."""
+    g = torch.Generator().manual_seed(31 + kind)
+    for T, dim in ((1, 1), (37, 15), (64, 17), (5, 33), (300, 130), (3, 1000), (0, 8)):
+        x = (torch.randn(T, dim, generator=g) * torch.rand(T, 1, generator=g) * 5).to(dtype)
+        if T > 4:
+            x[1] = 0
+            x[2, :] = torch.arange(dim) - dim / 2  # exact halves after scaling hit round-half-even
+            x[3, 0] = float("nan")
+        if T > 4 and dim > 1:
+            x = x.to(device)[:, : dim - 1] if dim % 2 else x.to(device)
+        else:
+            x = x.to(device)
+        v, s = ms.ops.quantize(x, kind)
+        rv, rs = ms.reference.quantize(x, kind)
+        assert v.dtype == rv.dtype and v.shape == rv.shape == (x.shape[0], (x.shape[1] + 15) // 16 * 16)
+        assert torch.equal(s, rs)
+        assert torch.equal(v.view(torch.uint8), rv.view(torch.uint8))
+        if T > 4:
+            assert s[1] == 1 and s[3] == 1 and torch.all(v[1].view(torch.uint8) == 0)
+
+
 def test_quant_op_matches_reference_op(ms):
     """forward_quant on CPU vs its reference, all layouts of the op."""
     g = torch.Generator().manual_seed(4)

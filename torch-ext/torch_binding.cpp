@@ -23,6 +23,7 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
       "Tensor? q_mask, Tensor d, Tensor d_scale, Tensor d_start, Tensor d_len, "
       "Tensor? d_mask, Tensor? pair_q, Tensor? pair_d, int layout, int lq, "
       "int argmax_kind) -> (Tensor scores, Tensor argmax)");
+  ops.def("quantize(Tensor x, int kind) -> (Tensor values, Tensor scales)");
   ops.def("block_topk(Tensor scores, int id0, int k) -> Tensor keys");
   ops.def("decode_keys(Tensor keys) -> (Tensor scores, Tensor ids)");
   ops.def(
@@ -35,6 +36,7 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.impl("forward", torch::kCPU, &maxsim::forward_cpu);
   ops.impl("forward_train", torch::kCPU, &maxsim::forward_cpu);
   ops.impl("forward_quant", torch::kCPU, &maxsim::forward_quant_cpu);
+  ops.impl("quantize", torch::kCPU, &maxsim::quantize_cpu);
   ops.impl("block_topk", torch::kCPU, &maxsim::block_topk_cpu);
   ops.impl("decode_keys", torch::kCPU, &maxsim::decode_keys_cpu);
   ops.impl("backward", torch::kCPU, &maxsim::backward_cpu);
@@ -43,6 +45,7 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.impl("forward", torch::kCUDA, &maxsim::forward_cuda);
   ops.impl("forward_train", torch::kCUDA, &maxsim::forward_cuda);
   ops.impl("forward_quant", torch::kCUDA, &maxsim::forward_quant_cuda);
+  ops.impl("quantize", torch::kCUDA, &maxsim::quantize_cuda);
   ops.impl("block_topk", torch::kCUDA, &maxsim::block_topk_cuda);
   ops.impl("decode_keys", torch::kCUDA, &maxsim::decode_keys_cuda);
   ops.impl("backward", torch::kCUDA, &maxsim::backward_cuda);

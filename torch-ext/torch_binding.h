@@ -64,6 +64,11 @@ using ForwardQuantFn = std::tuple<at::Tensor, at::Tensor>(
     const std::optional<at::Tensor>& pair_q, const std::optional<at::Tensor>& pair_d, int64_t layout, int64_t lq,
     int64_t argmax_kind);
 
+// Per-token symmetric quantisation of x [T, d] (float): kind 0 int8, 1 fp8
+// e4m3. Returns (values [T, round_up(d, 16)], scales [T] fp32); semantics in
+// quantize_rows.h.
+using QuantizeFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor& x, int64_t kind);
+
 // Search helpers (contract in torch-ext/maxsim/retrieval.py): block_topk
 // packs scores [R, n] fp32 with document ids id0 .. id0+n-1 into int64 keys
 // ("higher score, then lower id"; NaN below every number) and returns the
@@ -95,6 +100,7 @@ using BackwardFn = std::tuple<at::Tensor, at::Tensor>(
 #if defined(CPU_KERNEL)
 ForwardFn forward_cpu;
 ForwardQuantFn forward_quant_cpu;
+QuantizeFn quantize_cpu;
 BlockTopkFn block_topk_cpu;
 DecodeKeysFn decode_keys_cpu;
 BackwardFn backward_cpu;
@@ -102,6 +108,7 @@ BackwardFn backward_cpu;
 #if defined(CUDA_KERNEL)
 ForwardFn forward_cuda;
 ForwardQuantFn forward_quant_cuda;
+QuantizeFn quantize_cuda;
 BlockTopkFn block_topk_cuda;
 DecodeKeysFn decode_keys_cuda;
 BackwardFn backward_cuda;

@@ -21,6 +21,7 @@ from ._ops import add_op_namespace_prefix, ops
 FORWARD = add_op_namespace_prefix("forward")
 FORWARD_TRAIN = add_op_namespace_prefix("forward_train")
 FORWARD_QUANT = add_op_namespace_prefix("forward_quant")
+QUANTIZE = add_op_namespace_prefix("quantize")
 BLOCK_TOPK = add_op_namespace_prefix("block_topk")
 DECODE_KEYS = add_op_namespace_prefix("decode_keys")
 BACKWARD = add_op_namespace_prefix("backward")
@@ -57,6 +58,13 @@ def _forward_quant_fake(q, q_scale, q_start, q_len, q_mask, d, d_scale, d_start,
                         pair_q, pair_d, layout, lq, argmax_kind):
     P = num_pairs(q_start, d_start, pair_q, layout)
     return q.new_empty((P,), dtype=torch.float32), _argmax_empty(q, P, lq, argmax_kind)
+
+
+@torch.library.register_fake(QUANTIZE)
+def _quantize_fake(x, kind):
+    dp = (x.shape[1] + 15) // 16 * 16
+    vt = torch.int8 if kind == 0 else torch.float8_e4m3fn
+    return x.new_empty((x.shape[0], dp), dtype=vt), x.new_empty((x.shape[0],), dtype=torch.float32)
 
 
 @torch.library.register_fake(BLOCK_TOPK)
@@ -98,6 +106,11 @@ def _reference_forward_quant(q, q_scale, q_start, q_len, q_mask, d, d_scale, d_s
                                    d_mask, pair_q, pair_d, layout, lq, argmax_kind)
 
 
+def _reference_quantize(x, kind):
+    _warn_fallback("quantize", x.device.type)
+    return reference.quantize(x, kind)
+
+
 def _reference_block_topk(scores, id0, k):
     _warn_fallback("block_topk", scores.device.type)
     from . import retrieval
@@ -125,7 +138,7 @@ def _reference_backward(grad, q, q_start, q_len, d, d_start, d_len, pair_q, pair
 def _register_fallbacks() -> None:
     for key in ("CPU", "CUDA", "MPS"):
         for name, impl in ((FORWARD, _reference_forward), (FORWARD_TRAIN, _reference_forward),
-                           (FORWARD_QUANT, _reference_forward_quant), (BLOCK_TOPK, _reference_block_topk),
+                           (FORWARD_QUANT, _reference_forward_quant), (QUANTIZE, _reference_quantize), (BLOCK_TOPK, _reference_block_topk),
                            (DECODE_KEYS, _reference_decode_keys), (BACKWARD, _reference_backward)):
             if not torch._C._dispatch_has_kernel_for_dispatch_key(name, key):
                 torch.library.impl(name, key)(impl)

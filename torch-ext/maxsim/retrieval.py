@@ -79,39 +79,21 @@ def merge_topk(keys: Tensor, k: int) -> Tensor:
 # quantisation
 # ----------------------------------------------------------------------------
 
-def quantize_tokens(x: Tensor, kind: str, *, rows_per_block: Optional[int] = None) -> tuple[Tensor, Tensor]:
+def quantize_tokens(x: Tensor, kind: str) -> tuple[Tensor, Tensor]:
     """Per-token symmetric quantisation of ``x [T, d]``.
 
-    ``kind`` is ``"int8"`` (round to nearest, [-127, 127]) or ``"fp8"``
+    ``kind`` is ``"int8"`` (round to nearest even, [-127, 127]) or ``"fp8"``
     (float8_e4m3fn, the row's max magnitude mapped to 448). The dim is
     zero-padded to a multiple of 16 (exact: zero columns add nothing).
     Returns ``(values [T, d_pad], scales [T] fp32)``; row r stands for
-    ``scales[r] * values[r]``. Works in blocks of rows to bound the fp32
-    temporary.
+    ``scales[r] * values[r]`` (an all-zero row gets scale 1). One kernel on
+    CPU and CUDA (``ops.quantize``), no fp32 temporary.
     """
     if kind not in _QMAX:
         raise ValueError(f"quantization must be 'int8' or 'fp8', got {kind!r}")
-    if x.dim() != 2 or x.dtype not in _FLOATS:
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in _FLOATS:
         raise TypeError("quantize_tokens expects a float [T, d] tensor")
-    T, d = x.shape
-    dp = (d + 15) // 16 * 16
-    vt = torch.int8 if kind == "int8" else torch.float8_e4m3fn
-    values = torch.empty((T, dp), dtype=vt, device=x.device)
-    scales = torch.empty((T,), dtype=torch.float32, device=x.device)
-    if dp > d:
-        values[:, d:].zero_()
-    step = rows_per_block or max(1, (64 << 20) // max(1, 4 * dp))
-    qmax = _QMAX[kind]
-    for r0 in range(0, T, step):
-        xb = x[r0:r0 + step].to(torch.float32)
-        amax = xb.abs().amax(dim=1) if d else xb.new_zeros(xb.shape[0])
-        s = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
-        y = xb / s[:, None]
-        if kind == "int8":
-            y = y.round_().clamp_(-127, 127)
-        values[r0:r0 + step, :d] = y.to(vt)
-        scales[r0:r0 + step] = s
-    return values, scales
+    return ops.quantize(x, 0 if kind == "int8" else 1)
 
 
 # ----------------------------------------------------------------------------
