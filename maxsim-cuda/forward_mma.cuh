@@ -13,9 +13,11 @@
 // lowest index on ties, out-of-range / masked columns set to -inf), then the
 // CTA reduces across quads and warps and calls finish_tile.
 // Quantized tokens (int8 / fp8, per-token scales): each tile's products are
-// multiplied by their document token's scale before the max (prefetched into
-// registers while the tile's last k chunk is multiplied); the query token's
-// scale (> 0) commutes with the max and is applied to the row maxima.
+// multiplied by their document token's scale before the max (the tile's
+// scales ride in the stage's cp.async group into a ring beside the mask
+// ring: a global load per tile in the fold was a quarter of the int8 loop's
+// instructions and its latency was exposed); the query token's scale (> 0)
+// commutes with the max and is applied to the row maxima.
 #pragma once
 
 #include <map>
@@ -104,7 +106,7 @@ inline size_t mma_smem_bytes(int cfg, int kch, bool q8) {
 // Upper bound of the kernel's static shared memory.
 inline size_t mma_static_smem(int cfg, bool q8) {
   MmaCfgInfo c = mma_cfg_info(cfg);
-  return (size_t)c.bm * 13 + (size_t)2 * c.wn * c.bm * 4 + (size_t)mma_stages(c.stages, q8) * c.bn +
+  return (size_t)c.bm * 13 + (size_t)2 * c.wn * c.bm * 4 + (size_t)mma_stages(c.stages, q8) * c.bn * (q8 ? 5 : 1) +
          (size_t)kMmaMaxDpc * 21 + 256;
 }
 // Byte offset of 16-byte chunk c of row r in a [rows x KCB] tile.
@@ -198,6 +200,7 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
   __shared__ int doc_c0[kMmaMaxDpc], doc_c1[kMmaMaxDpc], doc_tend[kMmaMaxDpc];
   __shared__ unsigned char doc_valid[kMmaMaxDpc];
   __shared__ float row_scale[SC ? BM : 1];
+  __shared__ __align__(16) float dscale_s[SCM == 1 ? STAGES : 1][SCM == 1 ? BN : 2];  // doc-token scale ring (8-bit)
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp / WN, wn = warp % WN;
@@ -347,14 +350,17 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
     unsigned char pend_mask = 0;
     int pend_slot = -1;
     int idoc = 0, ibase = 0;  // doc of the next issued tile, its first global tile
+    // Position of the next issued iteration, advanced by one per call
+    // (global tile, k chunk, stage slot, tile ring slot): no divisions.
+    int i_jg = 0, i_kc = 0, i_slot = 0, i_tslot = 0;
 
-    // Issue the stage load for flattened iteration `it` (global tile it / kch,
-    // k chunk it % kch); called with increasing it.
-    auto issue = [&](int it, bool defer_mask) {
-      int jg = it / p.kch, kc = it - jg * p.kch;
+    // Issue the stage load for the next flattened iteration (global tile
+    // i_jg, k chunk i_kc); called once per iteration, in order.
+    auto issue = [&](bool defer_mask) {
+      const int jg = i_jg, kc = i_kc;
       while (jg >= doc_tend[idoc]) ibase = doc_tend[idoc++];
       const int j = jg - ibase;
-      uint32_t dst = d_s + (uint32_t)((it % STAGES) * STAGE_BYTES);
+      uint32_t dst = d_s + (uint32_t)(i_slot * STAGE_BYTES);
       int64_t tok0 = doc_tb[idoc] + (int64_t)j * BN;
       int nvalid = min(BN, doc_c1[idoc] - doc_c0[idoc] - j * BN);
       int kb0 = kc * KCB;
@@ -364,14 +370,25 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
         load_doc_tile<KCB, 8, BN, NTH>(p, dst, tok0, nvalid, kb0);
       else
         load_doc_tile<KCB, 4, BN, NTH>(p, dst, tok0, nvalid, kb0);
+      if (SCM == 1 && kc == 0 && tid < BN) {
+        const bool ok = tid < nvalid;
+        cp_async<4>(smem_u32(&dscale_s[i_tslot][tid]), ok ? (const void*)(p.d_scale + tok0 + tid) : (const void*)p.d_scale,
+                    ok);
+      }
       if (has_mask && kc == 0 && tid < BN) {
         unsigned char m = (tid < nvalid && p.d_mask[tok0 + tid]) ? 1 : 0;
         if (defer_mask) {
           pend_mask = m;
-          pend_slot = jg % STAGES;
+          pend_slot = i_tslot;
         } else {
-          mask_s[jg % STAGES][tid] = m;
+          mask_s[i_tslot][tid] = m;
         }
+      }
+      if (++i_slot == STAGES) i_slot = 0;
+      if (++i_kc == p.kch) {
+        i_kc = 0;
+        ++i_jg;
+        if (++i_tslot == STAGES) i_tslot = 0;
       }
     };
 
@@ -383,7 +400,7 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
       load_query_tile<KCB, 4, BM, NTH>(p, q_s, row_src);
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) {
-      if (st < total) issue(st, false);
+      if (st < total) issue(false);
       cp_async_commit();
     }
 
@@ -405,7 +422,7 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
     const uint32_t b_row = (uint32_t)((wn * WTN + (lane & 7) + ((lane >> 4) << 3)) * KCB);
     const int b_hi = (lane >> 3) & 1;
 
-    int jg = 0, cbase = 0, kc = 0, slot = 0;  // global tile, first global tile of cdoc
+    int jg = 0, cbase = 0, kc = 0, slot = 0, t_slot = 0;  // global tile, first global tile of cdoc, rings
     for (int it = 0; it < total; ++it) {
       cp_async_wait<STAGES - 2>();
       __syncthreads();
@@ -413,22 +430,10 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
         mask_s[pend_slot][tid] = pend_mask;
         pend_slot = -1;
       }
-      if (it + STAGES - 1 < total) issue(it + STAGES - 1, true);
+      if (it + STAGES - 1 < total) issue(true);
       cp_async_commit();
 
       float cs[SC ? NT : 1][2];  // doc-token scales of this lane's columns
-      if (SCM == 1 && kc + 1 == p.kch) {
-        const int c0 = doc_c0[cdoc], c1 = doc_c1[cdoc];
-        const int col0 = c0 + (jg - cbase) * BN + wn * WTN + 2 * (lane & 3);
-        const float* sc = p.d_scale + (doc_tb[cdoc] - c0);
-#pragma unroll
-        for (int jn = 0; jn < (SC ? NT : 1); ++jn)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int col = col0 + jn * 8 + e;
-            cs[jn][e] = col < c1 ? __ldg(sc + col) : 0.f;
-          }
-      }
       const uint32_t a_base = q_s + (uint32_t)(kc * BM * KCB) + a_row;
       const uint32_t b_base = d_s + (uint32_t)(slot * STAGE_BYTES) + b_row;
       // Fragments double-buffered in registers across the k steps.
@@ -477,6 +482,15 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
             dss[jn] = 0.f;
           }
         }
+        if constexpr (SCM == 1) {
+          // Rows past the tile's end were zero-filled (their columns are masked below).
+#pragma unroll
+          for (int jn = 0; jn < NT; ++jn) {
+            const float2 v = *reinterpret_cast<const float2*>(&dscale_s[t_slot][wn * WTN + jn * 8 + 2 * (lane & 3)]);
+            cs[jn][0] = v.x;
+            cs[jn][1] = v.y;
+          }
+        }
         if constexpr (SC) {
 #pragma unroll
           for (int i = 0; i < MT; ++i)
@@ -505,7 +519,7 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
                     best[i][h] = max_nan(best[i][h], acc[i][jn][h * 2 + e]);
                 }
         } else {
-          const unsigned char* ms = &mask_s[jg % STAGES][wn * WTN + 2 * (lane & 3)];
+          const unsigned char* ms = &mask_s[t_slot][wn * WTN + 2 * (lane & 3)];
 #pragma unroll
           for (int jn = 0; jn < NT; ++jn)
 #pragma unroll
@@ -532,6 +546,7 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
             for (int e = 0; e < 4; ++e) acc[i][jn][e] = 0.f;
         kc = 0;
         ++jg;
+        if (++t_slot == STAGES) t_slot = 0;
         // Finish every doc whose tiles are all done (the loads of the next
         // doc's tiles are already in flight).
         while (cdoc < nd && doc_tend[cdoc] == jg) {

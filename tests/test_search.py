@@ -152,6 +152,28 @@ def test_keys_roundtrip(ms):
     assert top[1][0].tolist() == [5, 0, 7, 1, 2, 6, 4, 3, -1, -1]  # -0 == +0: lower id first; NaN last
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_block_topk_op_matches_reference(ms, device):
+    """ops.block_topk (chunked select on CUDA for k < 1024, one topk
+    otherwise) equals encode + topk over every key: chunk edges, ties
+    across chunks, NaN / -inf / signed zeros, k = 0, k >= n."""
+    g = torch.Generator().manual_seed(41)
+    for R, n, k, id0 in ((1, 1, 5, 0), (2, 4095, 100, 7), (1, 4096, 4096, 0), (3, 4097, 10, 3),
+                         (1, 10000, 100, 123456), (2, 9000, 0, 0), (1, 20000, 1023, 0), (2, 20000, 1024, 5),
+                         (1, 12289, 400, 0)):
+        s = (torch.randn(R, n, generator=g) * 4).round() / 4  # many ties
+        if n > 10:
+            s[:, 3] = float("nan")
+            s[:, 5] = float("-inf")
+            s[0, 6], s[0, 7] = -0.0, 0.0
+            s[:, -1] = s.max() + 1  # the best key sits in the last chunk
+        s = s.to(device)
+        got = ms.ops.block_topk(s, id0, k)
+        ids = torch.arange(id0, id0 + n, device=device)
+        want = ms.retrieval.encode_keys(s, ids[None, :]).topk(min(k, n), dim=1).values
+        assert torch.equal(got, want), (R, n, k)
+
+
 @pytest.mark.parametrize("dim,lq", [(50, 13), (200, 33), (128, 130)])
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 @pytest.mark.parametrize("device", DEVICES)
