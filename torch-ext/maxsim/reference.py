@@ -115,7 +115,9 @@ def quantize(x, kind: int, rows_per_block: int = 0):
     for r0 in range(0, T, step):
         xb = x[r0:r0 + step].to(torch.float32)
         amax = xb.abs().amax(dim=1) if d else xb.new_zeros(xb.shape[0])
-        s = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+        # a true division (torch turns division by a Python scalar into a
+        # multiplication by its reciprocal on CUDA, one ulp off the kernels)
+        s = torch.where(amax > 0, amax / amax.new_full((), qmax), torch.ones_like(amax))
         y = xb / s[:, None]
         if kind == 0:
             y = torch.nan_to_num(y.round_(), nan=0.0).clamp_(-127, 127)
