@@ -447,7 +447,9 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
       dpc = g_forced_dpc;
     else if (items_base >= 2 * slots && items_base <= 12 * slots)
       dpc = (items_base + slots - 1) / slots;
-    else if (quant && items_base > 12 * slots)
+    else if (quant && items_base <= 32 * slots)
+      dpc = (items_base + slots - 1) / slots;  // 8-bit, up to 32 waves: one wave (10k docs: 0.186 -> 0.168 ms)
+    else if (quant)
       dpc = 8;  // 8-bit docs are half the bytes: amortise the per-CTA fill / drain over 8 docs
     dpc = std::min<int64_t>(dpc, kMmaMaxDpc);
     if (dpc > 1) {

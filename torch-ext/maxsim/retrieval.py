@@ -359,7 +359,8 @@ def _queries(queries: Tensor, query_lengths, query_mask, device):
         raise TypeError("queries must be a float32 / float16 / bfloat16 tensor")
     single = queries.dim() == 2
     if single:
-        queries = queries[None]
+        # a view, not an op per call: every op here is host time in a one-query search
+        queries = queries.view((1,) + tuple(queries.shape)) if queries.is_contiguous() else queries[None]
         if query_mask is not None:
             query_mask = query_mask[None]
         if query_lengths is not None:
@@ -367,7 +368,8 @@ def _queries(queries: Tensor, query_lengths, query_mask, device):
     if queries.dim() != 3:
         raise ValueError(f"queries must be [Lq, d] or [Nq, Lq, d], got shape {tuple(queries.shape)}")
     Nq, Lq, d = queries.shape
-    queries = queries.to(device)
+    if queries.device != device:
+        queries = queries.to(device)
     ql = None
     if query_lengths is not None:
         ql = torch.as_tensor(query_lengths).to(device)
@@ -379,7 +381,8 @@ def _queries(queries: Tensor, query_lengths, query_mask, device):
         if query_mask.dtype != torch.bool or tuple(query_mask.shape) != (Nq, Lq):
             raise ValueError(f"query_mask must be bool [Nq={Nq}, Lq={Lq}]")
         qm = query_mask.to(device).reshape(-1).contiguous()
-    return single, queries.reshape(Nq * Lq, d).contiguous(), q_start, q_len, qm, Nq, Lq
+    flat = queries.view(Nq * Lq, d) if queries.is_contiguous() else queries.reshape(Nq * Lq, d).contiguous()
+    return single, flat, q_start, q_len, qm, Nq, Lq
 
 
 def as_corpus(corpus, device) -> Corpus:
@@ -450,7 +453,7 @@ def search(queries: Tensor, corpus, k: int, *, query_lengths: Optional[Tensor] =
         k = min(k * oversample, corpus.num_docs) if k else 0
     if quant is not None:
         qv, qs = quantize_tokens(q, quant)
-    else:
+    elif q.dtype != corpus.dtype:
         q = q.to(corpus.dtype)
     keys = None
     per_block = block_docs or max(1, _SCORE_BUDGET // max(1, Nq))
@@ -458,8 +461,9 @@ def search(queries: Tensor, corpus, k: int, *, query_lengths: Optional[Tensor] =
         for d0, d1, tok, sc, tmask, starts in corpus.chunks():
             for b0 in range(0, d1 - d0, per_block):
                 b1 = min(d1 - d0, b0 + per_block)
-                st = starts[b0:b1]
-                ln = corpus.lengths[d0 + b0:d0 + b1]
+                whole = b0 == 0 and b1 == corpus.num_docs  # one block over a resident corpus: no slicing ops
+                st = starts if whole else starts[b0:b1]
+                ln = corpus.lengths if whole else corpus.lengths[d0 + b0:d0 + b1]
                 if quant is not None:
                     scores, _ = ops.forward_quant(qv, qs, q_start, q_len, qm, tok, sc, st, ln, tmask,
                                                   None, None, CROSS, Lq, 0)
@@ -474,7 +478,6 @@ def search(queries: Tensor, corpus, k: int, *, query_lengths: Optional[Tensor] =
         keys = merge_topk(keys, k)
     if corpus.originals is not None:
         keys = _rescore(q, q_start, q_len, qm, Nq, Lq, corpus, keys, k_final, dev)
-    scores, ids = ops.decode_keys(keys)
     if single:
-        return scores[0], ids[0]
-    return scores, ids
+        return ops.decode_keys(keys[0])
+    return ops.decode_keys(keys)
