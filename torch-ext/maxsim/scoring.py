@@ -176,7 +176,7 @@ def _offset_segments(offsets: Tensor, total: int) -> tuple[Tensor, Tensor]:
 
 
 def _flat(x: Tensor) -> Tensor:
-    return x.reshape(-1, x.shape[-1]).contiguous()
+    return x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
 
 
 def _flat_mask(m: Optional[Tensor]) -> Optional[Tensor]:
@@ -191,12 +191,23 @@ def _argmax_kind(train: bool, with_argmax: bool, doc_bound: int) -> int:
 
 def _run(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d,
          layout, lq, argmax_kind, tf32, normalize=False):
-    # The autograd-carrying op only when a gradient can flow: it costs an
-    # autograd node per call.
-    grad = torch.is_grad_enabled() and (q.requires_grad or d.requires_grad)
-    op = ops.forward_train if grad else ops.forward
-    return op(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask,
-              pair_q, pair_d, layout, lq, argmax_kind, tf32, normalize)
+    """q / d: token tensors [..., dim]. Returns scores shaped by layout
+    ([Nq, Nd] CROSS, [Nq, K] GROUPED, [P] LIST) and the argmax [P, lq]."""
+    q = q if q.is_contiguous() else q.contiguous()
+    d = d if d.is_contiguous() else d.contiguous()
+    if torch.is_grad_enabled() and (q.requires_grad or d.requires_grad):
+        # The autograd-carrying op only when a gradient can flow (it costs an
+        # autograd node per call); it flattens and reshapes inside the node.
+        return ops.forward_train(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask,
+                                 pair_q, pair_d, layout, lq, argmax_kind, tf32, normalize)
+    scores, argmax = ops.forward(_flat(q), q_start, q_len, q_mask, _flat(d), d_start, d_len, d_mask,
+                                 pair_q, pair_d, layout, lq, argmax_kind, tf32, normalize)
+    nq, nd = q_start.shape[0], d_start.shape[0]
+    if layout == CROSS:
+        scores = scores.view(nq, nd)
+    elif layout == GROUPED and nq > 0:
+        scores = scores.view(nq, nd // nq)
+    return scores, argmax
 
 
 def _empty_result(shape: tuple, lq: int, queries: Tensor, mode: str):
@@ -241,9 +252,8 @@ def _candidates(queries, documents, query_lengths, doc_lengths, *, mode, validat
     q_start, q_len = _padded_segments(B, Lq, query_lengths, dev)
     d_start, d_len = _padded_segments(B * K, Ld, doc_lengths, dev)
     kind = _argmax_kind(mode == "train", mode == "argmax", Ld)
-    scores, argmax = _run(_flat(queries), q_start, q_len, None, _flat(documents), d_start, d_len,
+    scores, argmax = _run(queries, q_start, q_len, None, documents, d_start, d_len,
                           None, None, None, GROUPED, Lq, kind, tf32, normalize)
-    scores = scores.view(B, K)
     if mode == "argmax":
         return scores, _i32(argmax).view(B, K, Lq)
     return scores
@@ -312,9 +322,8 @@ def _contrastive(queries, documents, document_offsets, query_lengths, *, mode, v
     q_start, q_len = _padded_segments(Nq, Lq, query_lengths, dev)
     d_start, d_len = _offset_segments(document_offsets, T)
     kind = _argmax_kind(mode == "train", mode == "argmax", T)
-    scores, argmax = _run(_flat(queries), q_start, q_len, None, documents.contiguous(), d_start, d_len,
+    scores, argmax = _run(queries, q_start, q_len, None, documents, d_start, d_len,
                           None, None, None, CROSS, Lq, kind, tf32, normalize)
-    scores = scores.view(Nq, Nb)
     if mode == "argmax":
         return scores, _i32(argmax).view(Nq, Nb, Lq)
     return scores
@@ -390,7 +399,7 @@ def _pairs(queries, query_offsets, documents, document_offsets, pair_query_ids, 
     if P == 0:
         return _empty_result((0,), lq, queries, mode)
     kind = _argmax_kind(mode == "train", mode == "argmax", Td)
-    scores, argmax = _run(queries.contiguous(), q_start, q_len, None, documents.contiguous(), d_start,
+    scores, argmax = _run(queries, q_start, q_len, None, documents, d_start,
                           d_len, None, pair_query_ids.to(torch.int32).contiguous(),
                           pair_document_ids.to(torch.int32).contiguous(), LIST, lq, kind, tf32, normalize)
     if mode == "argmax":
@@ -469,7 +478,7 @@ def maxsim(Q: Tensor, D: Tensor, q_mask: Optional[Tensor] = None, d_mask: Option
     d_start, d_len = _padded_segments(n_docs, Ld, None, dev)
     train = torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad)
     kind = _argmax_kind(train, False, Ld)
-    scores, _ = _run(_flat(Q), q_start, q_len, _flat_mask(q_mask), _flat(D), d_start, d_len,
+    scores, _ = _run(Q, q_start, q_len, _flat_mask(q_mask), D, d_start, d_len,
                      _flat_mask(d_mask), None, None, GROUPED if D.dim() == 4 else CROSS, Lq, kind, tf32,
                      normalize)
-    return scores.view(out_shape)
+    return scores
