@@ -78,15 +78,11 @@ constexpr int kWgScaleStride = 160;  // floats per stage (640 B)
 // NKB: 64-element (128-byte) column blocks of dim (1 or 2).
 template <int NKB>
 struct WgCfg {
-  // Two query-tile buffers (the loader runs up to two items ahead: short
-  // items were paced by the query tile's arrival); 4 x 32 KB stages for
-  // NKB = 2 keep the total under the 227 KB limit.
-  static constexpr int STAGES = NKB == 1 ? 8 : 4;
-  static constexpr int QBUF = 2;
+  static constexpr int STAGES = NKB == 1 ? 8 : 5;
   static constexpr int STAGE_BYTES = NKB * kWgBN * 128;
   static constexpr int Q_BYTES = NKB * kWgBM * 128;
   static constexpr int SCALE_BYTES = STAGES * kWgScaleStride * 4;  // scaled variants: doc-token scales per stage
-  static constexpr int SMEM = STAGES * STAGE_BYTES + QBUF * Q_BYTES + SCALE_BYTES + 1024;  // + alignment slack
+  static constexpr int SMEM = STAGES * STAGE_BYTES + Q_BYTES + SCALE_BYTES + 1024;  // + alignment slack
 };
 
 // Kernel flags.
@@ -512,7 +508,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   constexpr int BM = kWgBM, BN = kWgBN, ST = C::STAGES, NK16 = NKB * 4;
   constexpr int NR = 4;  // ring of per-item tables / results (loader -> consumers -> finisher)
   extern __shared__ unsigned char wg_smem[];
-  __shared__ __align__(8) uint64_t bars[2 * ST + 2 * C::QBUF + 2 * NR];
+  __shared__ __align__(8) uint64_t bars[2 * ST + 2 + 2 * NR];
   __shared__ Work work_s[NR];
   __shared__ long long row_src[NR][BM];
   __shared__ unsigned char row_ok[NR][BM];
@@ -526,12 +522,12 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   const uint32_t q_s = base + (uint32_t)(ST * C::STAGE_BYTES);
   static_assert(SC || !kIsQuant<T>, "int8 tokens carry scales");
   // Scaled variants: doc-token scales, one row per stage.
-  const uint32_t sc_s = q_s + (uint32_t)(C::QBUF * C::Q_BYTES);
+  const uint32_t sc_s = q_s + (uint32_t)C::Q_BYTES;
   const float* sc_g = reinterpret_cast<const float*>(wg_smem + (sc_s - smem_u32(wg_smem)));
   const uint32_t bar0 = smem_u32(bars);
   const uint32_t bar_full = bar0, bar_empty = bar0 + 8u * ST;  // [ST] each
-  const uint32_t bar_qfull = bar0 + 16u * ST, bar_qempty = bar_qfull + 8u * C::QBUF;  // [QBUF] each
-  const uint32_t bar_rfull = bar_qempty + 8u * C::QBUF, bar_free = bar_rfull + 8u * NR;  // [NR] each
+  const uint32_t bar_qfull = bar0 + 16u * ST, bar_qempty = bar_qfull + 8u;
+  const uint32_t bar_rfull = bar_qfull + 16u, bar_free = bar_rfull + 8u * NR;  // [NR] each
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   constexpr int kLoader = 64;  // warps 9, 10
@@ -554,10 +550,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       mbar_init(bar_full + 8u * s, 1);
       mbar_init(bar_empty + 8u * s, 8);  // one arrival per consumer warp
     }
-    for (int qb = 0; qb < C::QBUF; ++qb) {
-      mbar_init(bar_qfull + 8u * qb, kLoader + 1);  // cp.async arrivals + one release of work_s
-      mbar_init(bar_qempty + 8u * qb, 8);
-    }
+    mbar_init(bar_qfull, kLoader + 1);  // cp.async arrivals + one release of work_s
+    mbar_init(bar_qempty, 8);
     for (int b = 0; b < NR; ++b) {
       mbar_init(bar_rfull + 8u * b, 256);
       mbar_init(bar_free + 8u * b, 32);
@@ -649,11 +643,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
           if (lt == 0) work_s[b] = w;
         }
         named_bar(1, kLoader);
-        // Item it uses query buffer it % QBUF; wait until the consumers hold the
-        // rows of the item that used it before (it - QBUF).
-        const uint32_t qb = it % C::QBUF, qphase = (it / C::QBUF) & 1u;
-        const uint32_t qbuf = q_s + qb * (uint32_t)C::Q_BYTES;
-        mbar_wait(bar_qempty + 8u * qb, qphase ^ 1u);
+        mbar_wait(bar_qempty, (it & 1u) ^ 1u);  // consumers hold item it - 1's query rows
         // Thread lt copies 16-byte chunk c = lt % 8 of rows lt / 8 + 8 j of each
         // 128-byte k block: the chunk's column, its swizzle (row % 8 is fixed)
         // and the smem stride are loop invariants. With the index arithmetic
@@ -670,7 +660,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
           for (int kb = 0; kb < NKB; ++kb) {
             const uint32_t byte = (uint32_t)(kb * 128 + c * 16);
             const bool colok = byte < rb;
-            const uint32_t dst = qbuf + (uint32_t)(kb * BM * 128 + r0 * 128) + swz;
+            const uint32_t dst = q_s + (uint32_t)(kb * BM * 128 + r0 * 128) + swz;
 #pragma unroll
             for (int j = 0; j < BM / 8; ++j) {
               const int src = (int)row_src[b][r0 + 8 * j];
@@ -680,8 +670,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
             }
           }
         }
-        cp_async_mbar_arrive(bar_qfull + 8u * qb);
-        if (lt == 0) mbar_arrive(bar_qfull + 8u * qb);
+        cp_async_mbar_arrive(bar_qfull);
+        if (lt == 0) mbar_arrive(bar_qfull);
       }
     } else {
       // ---- finisher: per-item epilogue (scores / argmax / partials) ----------
@@ -712,9 +702,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       const int b = (int)(it % NR);
       // Query rows -> A fragments (rows of this warp, all of dim).
       uint32_t a[NK16][4];
-      const uint32_t qb = it % C::QBUF;
-      const uint32_t qbuf = q_s + qb * (uint32_t)C::Q_BYTES;
-      mbar_wait(bar_qfull + 8u * qb, (it / C::QBUF) & 1u);
+      mbar_wait(bar_qfull, it & 1u);
       const Work w = work_s[b];
       const int ntiles = (w.c1 - w.c0 + BN - 1) / BN;
       {
@@ -724,11 +712,11 @@ __global__ void __launch_bounds__(kWgThreads, 1)
         for (int ks = 0; ks < NK16; ++ks) {
           const int c = (ks & 3) * 2 + hi;
           ldsm_x4(a[ks][0], a[ks][1], a[ks][2], a[ks][3],
-                  qbuf + (uint32_t)((ks >> 2) * BM * 128 + r * 128 + ((c ^ (r & 7)) << 4)));
+                  q_s + (uint32_t)((ks >> 2) * BM * 128 + r * 128 + ((c ^ (r & 7)) << 4)));
         }
       }
       __syncwarp();
-      if (lane == 0) mbar_arrive(bar_qempty + 8u * qb);
+      if (lane == 0) mbar_arrive(bar_qempty);
 
       float best[2] = {neg_inf(), neg_inf()};
       int bidx[2] = {-1, -1};
