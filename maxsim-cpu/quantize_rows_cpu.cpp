@@ -38,7 +38,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& x_in, int64_t 
           if (kind == quant_rows::kInt8) {
             vr[c] = static_cast<unsigned char>(quant_rows::int8_of_rounded(std::nearbyint(y)));
           } else {
-            const float ys = y != y ? y : std::fmin(std::fmax(y, -448.f), 448.f);
+            const float ys = y != y ? y : std::fmin(std::fmax(y, -qm), qm);  // saturate at the fp8 max
             vr[c] = c10::Float8_e4m3fn(ys).x;
           }
         }

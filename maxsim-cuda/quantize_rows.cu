@@ -18,7 +18,7 @@ __global__ void quantize_rows_kernel(const T* __restrict__ x, int64_t rows, int6
                                      unsigned char* __restrict__ out, float* __restrict__ scales) {
   const int lane = threadIdx.x & 31;
   const int64_t nwarps = (int64_t)gridDim.x * (blockDim.x >> 5);
-  const float qm = FP8 ? 448.f : 127.f;
+  const float qm = quant_rows::qmax(FP8 ? quant_rows::kFp8 : quant_rows::kInt8);
   for (int64_t r = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < rows; r += nwarps) {
     const T* xr = x + r * d;
     float m = 0.f;

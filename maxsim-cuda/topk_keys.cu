@@ -5,7 +5,7 @@
 // dozen elementwise ops.
 // block_topk selects in two steps when k is small: each 4096-score chunk of
 // a row is encoded and bitonic-sorted in shared memory by one CTA, which keeps
-// its best min(k, 4096); one topk over those candidates finishes. A torch topk
+// its best k; one topk over those candidates finishes. A torch topk
 // over all n int64 keys is a multi-pass radix select (~0.1 ms for 10k keys
 // on H100, more than a 10k-doc int8 scan).
 #include <ATen/cuda/CUDAContext.h>
@@ -76,16 +76,16 @@ at::Tensor block_topk_cuda(const at::Tensor& scores, int64_t id0, int64_t k) {
   const int64_t kk = std::min<int64_t>(k, n);
   auto stream = at::cuda::getCurrentCUDAStream();
   if (kk < 1024 && R > 0 && n > 0) {
+    // Each chunk keeps kk (< 1024 < chunk size) candidates; one chunk is the answer.
     const int64_t nchunks = (n + kTopkChunk - 1) / kTopkChunk;
-    const int64_t per = nchunks == 1 ? kk : std::min<int64_t>(k, kTopkChunk);
-    at::Tensor cand = at::empty({R, nchunks * per}, s.options().dtype(at::kLong));
-    if (per > 0) {
+    at::Tensor cand = at::empty({R, nchunks * kk}, s.options().dtype(at::kLong));
+    if (kk > 0) {
       chunk_topk_kernel<<<(unsigned)(R * nchunks), kTopkThreads, 0, stream>>>(s.data_ptr<float>(), n, id0,
-                                                                              (int)nchunks, (int)per,
+                                                                              (int)nchunks, (int)kk,
                                                                               cand.data_ptr<int64_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
-    if (nchunks == 1 || kk == 0) return cand.narrow(1, 0, kk);
+    if (nchunks == 1 || kk == 0) return cand;
     return std::get<0>(at::topk(cand, kk, 1, /*largest=*/true, /*sorted=*/true));
   }
   at::Tensor keys = at::empty(s.sizes(), s.options().dtype(at::kLong));

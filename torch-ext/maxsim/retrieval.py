@@ -34,7 +34,7 @@ _INT64_MIN = -(1 << 63)
 _NAN_ORD = -(1 << 31)  # below the order code of -inf: NaN scores rank last
 _LOW = (1 << 32) - 1
 _SCORE_BUDGET = 1 << 23  # scores (Nq x docs) held at once per block
-_QMAX = {"int8": 127.0, "fp8": 448.0}
+_QKIND = {"int8": 0, "fp8": 1}  # ops.quantize's kind
 
 __all__ = ["Corpus", "search", "quantize_tokens", "merge_topk", "encode_keys", "decode_keys"]
 
@@ -89,11 +89,11 @@ def quantize_tokens(x: Tensor, kind: str) -> tuple[Tensor, Tensor]:
     ``scales[r] * values[r]`` (an all-zero row gets scale 1). One kernel on
     CPU and CUDA (``ops.quantize``), no fp32 temporary.
     """
-    if kind not in _QMAX:
+    if kind not in _QKIND:
         raise ValueError(f"quantization must be 'int8' or 'fp8', got {kind!r}")
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in _FLOATS:
         raise TypeError("quantize_tokens expects a float [T, d] tensor")
-    return ops.quantize(x, 0 if kind == "int8" else 1)
+    return ops.quantize(x, _QKIND[kind])
 
 
 # ----------------------------------------------------------------------------
