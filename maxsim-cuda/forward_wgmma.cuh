@@ -365,47 +365,45 @@ __device__ __forceinline__ void wg_finish(const FwdParams& p, const Work& w, con
 #if MAXSIM_WG_DEVICE
 // Folds one accumulator tile (NJ 8-column blocks valid) into the running row
 // maxima of this thread (rows g and g + 8 of its warp; columns visited in
-// increasing order). Out-of-range / masked columns become -inf. The row max
-// is taken first (max.NaN tree); with argmax, a tile that beats the running
-// max (strictly, or by a first NaN) is searched for its lowest winning column.
+// increasing order). Out-of-range / masked columns become -inf. Without
+// argmax: a max.NaN tree. With argmax: a sequential (max, argmax) update, or
+// (kWgArgSearch) the tree first and, in a tile that beats the running max
+// (strictly, or by a first NaN), a search for its lowest winning column.
 template <typename T, int NJ, bool ARG, bool SC>
 __device__ __forceinline__ void wg_fold(const FwdParams& p, const Work& w, float* acc, int jt, float* best,
                                         int* bidx, bool arg_search, const float* tile_scale) {
   const int lane = threadIdx.x & 31;
   if constexpr (SC) {
     // Scaled tokens (int8, or normalize): fp32 product times the doc token's
-    // scale (staged with the tile), before the max.
+    // scale (staged with the tile), before the max. A thread's columns come
+    // in pairs: one 8-byte load per pair when the tile's scales start at an
+    // even token. These loads share shared-memory bandwidth with the wgmma B
+    // operand reads (int8 chains are short enough for the two to saturate it).
     const float* cs = tile_scale + 2 * (lane & 3);
+    if ((reinterpret_cast<uintptr_t>(cs) & 7u) == 0) {
 #pragma unroll
-    for (int jn = 0; jn < NJ; ++jn)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float c = cs[jn * 8 + e];
-        acc[4 * jn + e] = WgMma<T>::value(acc[4 * jn + e]) * c;
-        acc[4 * jn + 2 + e] = WgMma<T>::value(acc[4 * jn + 2 + e]) * c;
+      for (int jn = 0; jn < NJ; ++jn) {
+        const float2 c = *reinterpret_cast<const float2*>(cs + jn * 8);
+        acc[4 * jn] = WgMma<T>::value(acc[4 * jn]) * c.x;
+        acc[4 * jn + 1] = WgMma<T>::value(acc[4 * jn + 1]) * c.y;
+        acc[4 * jn + 2] = WgMma<T>::value(acc[4 * jn + 2]) * c.x;
+        acc[4 * jn + 3] = WgMma<T>::value(acc[4 * jn + 3]) * c.y;
       }
+    } else {
+#pragma unroll
+      for (int jn = 0; jn < NJ; ++jn)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float c = cs[jn * 8 + e];
+          acc[4 * jn + e] = WgMma<T>::value(acc[4 * jn + e]) * c;
+          acc[4 * jn + 2 + e] = WgMma<T>::value(acc[4 * jn + 2 + e]) * c;
+        }
+    }
   }
   const int n0 = w.c0 + jt * kWgBN;
   const int colbase = n0 + 2 * (lane & 3);
   const bool has_mask = p.d_mask != nullptr;
   const bool fast = !has_mask && n0 + NJ * 8 <= w.c1;
-  if (ARG && !arg_search) {
-    // Sequential (max, argmax) update, columns in increasing order.
-#pragma unroll
-    for (int jn = 0; jn < NJ; ++jn)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int col = colbase + jn * 8 + e;
-        bool valid = true;
-        if (!fast) {
-          valid = col < w.c1;
-          if (valid && has_mask) valid = p.d_mask[(int64_t)w.ds + col];
-        }
-#pragma unroll
-        for (int h = 0; h < 2; ++h) upd_arg(best[h], bidx[h], valid ? acc[4 * jn + 2 * h + e] : neg_inf(), col);
-      }
-    return;
-  }
   if (!fast) {
 #pragma unroll
     for (int jn = 0; jn < NJ; ++jn)
@@ -419,6 +417,27 @@ __device__ __forceinline__ void wg_fold(const FwdParams& p, const Work& w, float
           acc[4 * jn + 2 + e] = neg_inf();
         }
       }
+  }
+  if (ARG && !arg_search) {
+    // Sequential (max, argmax) update, columns in increasing order. The
+    // winner is kept as its offset in the tile (an immediate per column);
+    // masking inside this loop made the compiler build a per-column bit mask
+    // and ~6 instructions per element (H100 ncu, train-128 forward).
+    int off[2] = {-1, -1};
+#pragma unroll
+    for (int jn = 0; jn < NJ; ++jn)
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float m = max_nan(best[h], acc[4 * jn + 2 * h + e]);
+          if (__float_as_int(m) != __float_as_int(best[h])) off[h] = jn * 8 + e;
+          best[h] = m;
+        }
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      if (off[h] >= 0) bidx[h] = colbase + off[h];
+    return;
   }
   float m[2];
 #pragma unroll
@@ -440,17 +459,17 @@ __device__ __forceinline__ void wg_fold(const FwdParams& p, const Work& w, float
     const bool mnan = mv != mv;
     const bool take = best[h] == best[h] && (mnan || mv > best[h]);
     if (take) {
-      int idx = -1;
+      int off = 0;
 #pragma unroll
       for (int jn = NJ - 1; jn >= 0; --jn)
 #pragma unroll
         for (int e = 1; e >= 0; --e) {
           const float v = acc[4 * jn + 2 * h + e];
           const bool hit = mnan ? (v != v) : (v == mv);
-          idx = hit ? colbase + jn * 8 + e : idx;
+          off = hit ? jn * 8 + e : off;
         }
       best[h] = mv;
-      bidx[h] = idx;
+      bidx[h] = colbase + off;
     }
   }
   }
