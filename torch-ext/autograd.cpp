@@ -103,6 +103,9 @@ struct ForwardTrain : public torch::autograd::Function<ForwardTrain> {
     ctx->save_for_backward(
         {q, q_start, q_len, d, d_start, d_len, pair_q.value_or(Tensor()), pair_d.value_or(Tensor()), argmax});
     ctx->mark_non_differentiable({argmax});
+    // No zero-filled gradient for the (integer) argmax output: one kernel
+    // per training step otherwise.
+    ctx->set_materialize_grads(false);
     return {scores.view(score_shape(layout, q_start.size(0), d_start.size(0), scores.size(0))), argmax};
   }
 
@@ -111,6 +114,7 @@ struct ForwardTrain : public torch::autograd::Function<ForwardTrain> {
     TORCH_CHECK(ctx->saved_data["has_argmax"].toBool(),
                 "maxsim: this call was made without keeping the argmax needed for gradients; use the *_train "
                 "variant or maxsim()");
+    if (!grads[0].defined()) return torch::autograd::variable_list(15);
     const auto s = ctx->get_saved_variables();
     const Tensor &q = s[0], &q_start = s[1], &q_len = s[2], &d = s[3], &d_start = s[4], &d_len = s[5];
     const Tensor &pair_q = s[6], &pair_d = s[7], &argmax = s[8];
