@@ -521,7 +521,8 @@ __device__ __forceinline__ void wg_tile(const FwdParams& p, const Work& w, float
 template <typename T, int NKB, bool ARG, bool SC>
 __global__ void __launch_bounds__(kWgThreads, 1)
     wg_fwd_kernel(const __grid_constant__ CUtensorMap tmap, const __grid_constant__ CUtensorMap smap,
-                  const FwdParams p, int64_t item0, int64_t nitems, int flags) {
+                  const __grid_constant__ CUtensorMap qmap, const FwdParams p, int64_t item0, int64_t nitems,
+                  int flags) {
 #if MAXSIM_WG_DEVICE
   using C = WgCfg<NKB>;
   constexpr int BM = kWgBM, BN = kWgBN, ST = C::STAGES, NK16 = NKB * 4;
@@ -533,6 +534,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   __shared__ unsigned char row_ok[NR][BM];
   __shared__ unsigned char slot_st[NR][BM];
   __shared__ int slot_qs[BM], slot_ql[BM];  // loader only (fast loader)
+  __shared__ int q_dense[2];                 // loader only: per loader warp, its rows are Q rows base + r
   __shared__ float rbest[NR][BM];
   __shared__ int ridx[ARG ? NR : 1][BM];
 
@@ -662,7 +664,32 @@ __global__ void __launch_bounds__(kWgThreads, 1)
           if (lt == 0) work_s[b] = w;
         }
         named_bar(1, kLoader);
+        // A tile whose rows are consecutive Q rows (padded / uniform queries:
+        // every row that counts is row base + r) comes in by one TMA per
+        // 128-byte column block; rows that do not count may hold any data
+        // (the finisher skips them; rows past Tq are zero-filled). Otherwise
+        // the loader threads gather the rows with cp.async.
+        const long long qb = row_src[b][0];
+        {
+          const long long s0 = row_src[b][lt], s1 = row_src[b][lt + kLoader];
+          const bool ok = qb >= 0 && (s0 < 0 || s0 == qb + lt) && (s1 < 0 || s1 == qb + lt + kLoader);
+          const bool wok = __all_sync(0xffffffffu, ok);
+          if ((lt & 31) == 0) q_dense[lt >> 5] = wok;
+        }
+        named_bar(1, kLoader);
+        const bool dense = q_dense[0] && q_dense[1];
         mbar_wait(bar_qempty, (it & 1u) ^ 1u);  // consumers hold item it - 1's query rows
+        if (dense) {
+          if (lt == 0) {
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // after earlier cp.async writes
+            mbar_expect_tx(bar_qfull, (uint32_t)C::Q_BYTES);
+#pragma unroll
+            for (int kb = 0; kb < NKB; ++kb)
+              tma_load_2d(q_s + (uint32_t)(kb * BM * 128), &qmap, kb * (128 / (int)sizeof(T)), (int)qb, bar_qfull);
+          }
+          mbar_arrive(bar_qfull);  // 64 arrivals + the expect_tx one: the barrier's count
+          continue;
+        }
         // Thread lt copies 16-byte chunk c = lt % 8 of rows lt / 8 + 8 j of each
         // 128-byte k block: the chunk's column, its swizzle (row % 8 is fixed)
         // and the smem stride are loop invariants. With the index arithmetic
@@ -883,6 +910,15 @@ inline void launch_wgmma(bool arg, const FwdParams& p, int64_t dim, int64_t item
                               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   TORCH_CHECK(r == CUDA_SUCCESS, "maxsim: cuTensorMapEncodeTiled failed (", (int)r, ")");
+  CUtensorMap qmap;  // query tiles of consecutive rows (the loader's TMA path)
+  {
+    cuuint64_t qdim[2] = {(cuuint64_t)dim, (cuuint64_t)std::max<int64_t>(p.Tq, 1)};
+    cuuint32_t qbox[2] = {(cuuint32_t)(128 / sizeof(T)), (cuuint32_t)kWgBM};
+    r = wg_encode_fn()(&qmap, dt, 2, const_cast<char*>(p.q), qdim, gstride, qbox, estride,
+                       CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    TORCH_CHECK(r == CUDA_SUCCESS, "maxsim: cuTensorMapEncodeTiled (queries) failed (", (int)r, ")");
+  }
   smap = map;  // unused by unscaled kernels
   if (SC) {  // doc-token scales, one BN-row box per stage (rows past Td read as 0)
     cuuint64_t sdim[1] = {(cuuint64_t)p.Td};
@@ -911,14 +947,14 @@ inline void launch_wgmma(bool arg, const FwdParams& p, int64_t dim, int64_t item
   TORCH_CHECK((wgmma_available<T, SC>(dim, arg)), "maxsim: wgmma kernel unavailable");
   if (small) {
     if (arg)
-      wg_fwd_kernel<T, 1, true, SC><<<grid, kWgThreads, WgCfg<1>::SMEM, stream>>>(map, smap, p, item0, nitems, flags);
+      wg_fwd_kernel<T, 1, true, SC><<<grid, kWgThreads, WgCfg<1>::SMEM, stream>>>(map, smap, qmap, p, item0, nitems, flags);
     else
-      wg_fwd_kernel<T, 1, false, SC><<<grid, kWgThreads, WgCfg<1>::SMEM, stream>>>(map, smap, p, item0, nitems, flags);
+      wg_fwd_kernel<T, 1, false, SC><<<grid, kWgThreads, WgCfg<1>::SMEM, stream>>>(map, smap, qmap, p, item0, nitems, flags);
   } else {
     if (arg)
-      wg_fwd_kernel<T, 2, true, SC><<<grid, kWgThreads, WgCfg<2>::SMEM, stream>>>(map, smap, p, item0, nitems, flags);
+      wg_fwd_kernel<T, 2, true, SC><<<grid, kWgThreads, WgCfg<2>::SMEM, stream>>>(map, smap, qmap, p, item0, nitems, flags);
     else
-      wg_fwd_kernel<T, 2, false, SC><<<grid, kWgThreads, WgCfg<2>::SMEM, stream>>>(map, smap, p, item0, nitems, flags);
+      wg_fwd_kernel<T, 2, false, SC><<<grid, kWgThreads, WgCfg<2>::SMEM, stream>>>(map, smap, qmap, p, item0, nitems, flags);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
