@@ -33,8 +33,10 @@
 //   * warps 9, 10 (loader): decode the next work item, build its row table
 //     and query-slot states (global loads issued before waiting), then, once
 //     the consumers hold the current query rows in registers, load the next
-//     query tile (cp.async, zero-filled rows / columns; completion on an
-//     mbarrier). Item descriptors and tables live in a ring of NR = 4.
+//     query tile: one TMA per 128-byte column block when its rows are
+//     consecutive Q rows (padded queries), else a cp.async gather (zero-filled
+//     rows / columns); completion on an mbarrier either way. Item descriptors
+//     and tables live in a ring of NR = 4.
 //   * warp 11 (finisher): the per-item epilogue, a port of finish_tile with
 //     the same row_mode / workspace conventions (so the finalize kernels of
 //     forward.cu apply unchanged), off the consumers' critical path.
