@@ -96,7 +96,7 @@ def _packed(ms, device, dtype, nq, nd, Lq, Ld, dim, g):
     return q, d, qlens, dlens, qoff, doff
 
 
-@pytest.mark.parametrize("shape", [(3, 4, 17, 33, 15), (1, 5, 32, 300, 128), (5, 2, 1, 1, 1)],
+@pytest.mark.parametrize("shape", [(3, 4, 17, 33, 15), (1, 5, 32, 300, 128), (5, 2, 1, 1, 1), (3, 4, 150, 301, 128)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_pairs_packed(ms, device, dtype, shape):
     nq, nd, Lq, Ld, dim = shape
@@ -139,6 +139,24 @@ def test_maxsim_masks(ms, device, dtype, layout):
     Dn = torch.nn.functional.normalize(D.double() * 2, dim=-1)
     out = ms.maxsim((Q.float() * 3).to(dtype), (D.float() * 2).to(dtype), qm, dm, normalize=True)
     assert relerr(out, ms.maxsim_reference(Qn, Dn, qm, dm)) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("nq,lq,dim", [(7, 40, 64), (3, 200, 128)])
+def test_query_tiles_with_masks(ms, device, dtype, nq, lq, dim):
+    """Query rows that fill 128-row tiles (the Hopper kernel's, which loads a
+    tile of consecutive padded rows with one TMA): prefix lengths and holes
+    in the query mask, rows past a query's end or past the batch must not
+    count."""
+    g = torch.Generator().manual_seed(nq * 7 + lq)
+    Q = rand(nq, lq, dim, dtype=dtype, device=device, gen=g)
+    D = rand(5, 150, dim, dtype=dtype, device=device, gen=g)
+    lens = torch.randint(1, lq + 1, (nq,), generator=g)
+    qm = lengths_mask(lens, lq) & (torch.rand(nq, lq, generator=g) > 0.2)
+    qm[:, 0] = True
+    dm = torch.rand(5, 150, generator=g) > 0.3
+    qm, dm = qm.to(device), dm.to(device)
+    assert_close(ms.maxsim(Q, D, qm, dm), ms.maxsim_reference(Q, D, qm, dm), dtype)
+    assert_close(ms.maxsim(Q, D), ms.maxsim_reference(Q, D), dtype)
 
 
 def test_ties_pick_lowest_index(ms, device, dtype):
