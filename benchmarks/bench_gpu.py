@@ -312,7 +312,6 @@ def run_train(ms, pe, only):
 
 COLD = r"""
 import os, sys, time, torch
-t0 = time.perf_counter()
 impl = sys.argv[1]
 Q = torch.randn(32, 32, 128, device="cuda", dtype=torch.bfloat16)
 D = torch.randn(1000, 300, 128, device="cuda", dtype=torch.bfloat16)
@@ -327,13 +326,17 @@ elif impl == "flash-maxsim":
     import flash_maxsim as fm; f = lambda: fm.flash_maxsim_batched(Q, D)
 else:
     f = lambda: torch.einsum("qid,njd->qnij", Q, D).amax(-1).float().sum(-1)
-f(); torch.cuda.synchronize(); t1 = time.perf_counter()
+t1 = time.perf_counter()
 f(); torch.cuda.synchronize(); t2 = time.perf_counter()
-print((t1 - t0) * 1e3, (t2 - t1) * 1e3)
+f(); torch.cuda.synchronize(); t3 = time.perf_counter()
+print((t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3)
 """
 
 
 def cold_start(impls):
+    """Fresh process per impl (torch and CUDA already initialised): load =
+    import / kernels.get_local_kernel, first call = the first call after it
+    (Triton peers compile here), second call for comparison."""
     rows = []
     for impl in impls:
         env = dict(os.environ, TRITON_CACHE_DIR=f"/tmp/triton-cold-{impl}-{time.time_ns()}", HF_HUB_OFFLINE="1")
@@ -341,10 +344,10 @@ def cold_start(impls):
         if r.returncode:
             print(f"cold start {impl}: failed {r.stderr.strip()[-200:]}")
             continue
-        first, second = map(float, r.stdout.split()[-2:])
-        print(f"cold start {impl:<14} first {first:9.1f} ms   second {second:7.2f} ms")
+        load, first, second = map(float, r.stdout.split()[-3:])
+        print(f"cold start {impl:<14} load {load:8.1f} ms   first call {first:9.1f} ms   second {second:7.2f} ms")
         rows.append(dict(workload="cold-start 32x1000 Lq32 Ld300", impl=impl, dtype="bf16",
-                         first_call_ms=first, second_call_ms=second))
+                         load_ms=load, first_call_ms=first, second_call_ms=second))
     return rows
 
 

@@ -129,9 +129,12 @@ def cold_table(path: Path) -> str:
     data = json.loads(path.read_text())
     m = data["meta"]
     out = [f"First call in a fresh process (32 queries x 1000 documents, Lq 32, Ld 300; {m['gpu']}, "
-           f"commit `{m.get('commit', '')}`):", "", "| impl | first call ms | second call ms |", "|---|---|---|"]
+           f"commit `{m.get('commit', '')}`; load = import or `kernels.get_local_kernel`, "
+           f"first call = the call after it):", "", "| impl | load ms | first call ms | second call ms |",
+           "|---|---|---|---|"]
     for r in data["rows"]:
-        out.append(f"| {r['impl']} | {r['first_call_ms']:.0f} | {r['second_call_ms']:.2f} |")
+        load = f"{r['load_ms']:.0f}" if "load_ms" in r else "-"
+        out.append(f"| {r['impl']} | {load} | {r['first_call_ms']:.0f} | {r['second_call_ms']:.2f} |")
     return "\n".join(out)
 
 

@@ -7,17 +7,21 @@
 
 namespace maxsim {
 
-at::Tensor block_topk_cpu(const at::Tensor& scores, int64_t id0, int64_t k) {
+at::Tensor block_topk_cpu(const at::Tensor& scores, int64_t id0, int64_t k, const c10::optional<at::Tensor>& ids) {
   TORCH_CHECK(scores.device().is_cpu() && scores.scalar_type() == at::kFloat && scores.dim() == 2,
               "maxsim: block_topk takes fp32 [rows, n] CPU scores");
   TORCH_CHECK(k >= 0 && id0 >= 0 && id0 + scores.size(1) < search_keys::kLow, "maxsim: block_topk: bad k / id range");
+  TORCH_CHECK(!ids || (ids->device().is_cpu() && ids->scalar_type() == at::kLong && ids->sizes() == scores.sizes()),
+              "maxsim: block_topk: ids must be int64 with the scores' shape and device");
   const at::Tensor s = scores.contiguous();
+  const at::Tensor idt = ids ? ids->contiguous() : at::Tensor();
+  const int64_t* ip = ids ? idt.data_ptr<int64_t>() : nullptr;
   at::Tensor keys = at::empty(s.sizes(), s.options().dtype(at::kLong));
   const float* sp = s.data_ptr<float>();
   int64_t* kp = keys.data_ptr<int64_t>();
   const int64_t n = s.size(1);
   at::parallel_for(0, s.numel(), 4096, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) kp[i] = search_keys::encode(sp[i], id0 + i % n);
+    for (int64_t i = b; i < e; ++i) kp[i] = search_keys::encode_id(sp[i], ip ? ip[i] : id0 + i % n);
   });
   const int64_t kk = std::min<int64_t>(k, n);
   if (kk == n) return std::get<0>(at::sort(keys, 1, /*descending=*/true));

@@ -154,14 +154,18 @@ def test_keys_roundtrip(ms):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_block_topk_op_matches_reference(ms, device):
-    """ops.block_topk (chunked select on CUDA for k < 1024, one topk
-    otherwise) equals encode + topk over every key: chunk edges, ties
-    across chunks, NaN / -inf / signed zeros, k = 0, k >= n."""
+    """ops.block_topk (radix select per 12288-key chunk on CUDA for k <
+    1024, then rounds over the chunks' winners; one topk otherwise) equals
+    encode + topk over every key: chunk edges, one to three rounds, ties
+    across chunks, continuous scores, NaN / -inf / signed zeros, k = 0,
+    k >= n, explicit ids (negative = empty slot)."""
     g = torch.Generator().manual_seed(41)
-    for R, n, k, id0 in ((1, 1, 5, 0), (2, 4095, 100, 7), (1, 4096, 4096, 0), (3, 4097, 10, 3),
-                         (1, 10000, 100, 123456), (2, 9000, 0, 0), (1, 20000, 1023, 0), (2, 20000, 1024, 5),
-                         (1, 12289, 400, 0)):
-        s = (torch.randn(R, n, generator=g) * 4).round() / 4  # many ties
+    for R, n, k, id0, tied in ((1, 1, 5, 0, True), (2, 4095, 100, 7, True), (1, 4096, 4096, 0, True),
+                               (3, 4097, 10, 3, True), (1, 10000, 100, 123456, True), (2, 9000, 0, 0, True),
+                               (1, 20000, 1023, 0, True), (2, 20000, 1024, 5, True), (1, 12289, 400, 0, True),
+                               (1, 12288, 1, 0, False), (2, 100000, 100, 0, False), (1, 300000, 1000, 9, False),
+                               (1, 300000, 700, 0, True), (4, 24577, 13, 0, False)):
+        s = (torch.randn(R, n, generator=g) * 4).round() / 4 if tied else torch.randn(R, n, generator=g)
         if n > 10:
             s[:, 3] = float("nan")
             s[:, 5] = float("-inf")
@@ -172,6 +176,13 @@ def test_block_topk_op_matches_reference(ms, device):
         ids = torch.arange(id0, id0 + n, device=device)
         want = ms.retrieval.encode_keys(s, ids[None, :]).topk(min(k, n), dim=1).values
         assert torch.equal(got, want), (R, n, k)
+        if n > 10 and k > 0:
+            ids = torch.randperm(10 * n, generator=g)[:R * n].view(R, n)
+            ids[:, ::7] = -1  # no candidate
+            ids = ids.to(device)
+            got = ms.ops.block_topk(s, 0, k, ids)
+            want = ms.retrieval.encode_keys(s, ids).topk(min(k, n), dim=1).values
+            assert torch.equal(got, want), (R, n, k, "ids")
 
 
 @pytest.mark.parametrize("dim,lq", [(50, 13), (200, 33), (128, 130)])
@@ -364,3 +375,29 @@ def test_rescore_argument_errors(ms):
     c = ms.Corpus(D, storage="cpu", quantization="int8", rescore="cpu")
     with pytest.raises(ValueError, match="oversample"):
         ms.search(torch.randn(3, 16), c, 2, oversample=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("kind", [None, "int8", "int8+rescore"])
+def test_search_cuda_graph_capture(ms, kind):
+    """search() on a resident corpus does no host synchronisation: it captures
+    in a CUDA graph (one block of chunk selects and, with rescore, the
+    in-place re-score) and replays to the eager result on new queries."""
+    g = torch.Generator().manual_seed(53)
+    docs, off = packed_corpus(30000, 64, torch.bfloat16, "cuda", g, max_len=12, min_len=1)
+    quant = None if kind is None else "int8"
+    c = ms.Corpus(docs, off, quantization=quant, rescore="device" if kind == "int8+rescore" else None)
+    Q = rand(2, 9, 64, device="cuda", gen=g).bfloat16()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            ms.search(Q, c, 37)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ms.search(Q, c, 37)
+    Q.copy_(rand(2, 9, 64, device="cuda", gen=g).bfloat16())
+    graph.replay()
+    want = ms.search(Q, c, 37)
+    assert torch.equal(out[1], want[1]) and torch.equal(out[0], want[0])

@@ -34,6 +34,9 @@ MAXSIM_HD inline int64_t encode(float v, int64_t id) {
   return (int64_t)order * (kLow + 1) + (kLow - id);
 }
 
+// An id < 0 is an empty slot.
+MAXSIM_HD inline int64_t encode_id(float v, int64_t id) { return id < 0 ? INT64_MIN : encode(v, id); }
+
 MAXSIM_HD inline void decode(int64_t key, float& score, int64_t& id) {
   if (key == INT64_MIN) {
     score = from_bits((int32_t)0xff800000);

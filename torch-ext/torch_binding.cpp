@@ -24,7 +24,7 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
       "Tensor? d_mask, Tensor? pair_q, Tensor? pair_d, int layout, int lq, "
       "int argmax_kind) -> (Tensor scores, Tensor argmax)");
   ops.def("quantize(Tensor x, int kind) -> (Tensor values, Tensor scales)");
-  ops.def("block_topk(Tensor scores, int id0, int k) -> Tensor keys");
+  ops.def("block_topk(Tensor scores, int id0, int k, Tensor? ids=None) -> Tensor keys");
   ops.def("decode_keys(Tensor keys) -> (Tensor scores, Tensor ids)");
   ops.def(
       "backward(Tensor grad, Tensor q, Tensor q_start, Tensor q_len, "

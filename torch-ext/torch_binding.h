@@ -72,9 +72,11 @@ using QuantizeFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor& x, int64
 // Search helpers (contract in torch-ext/maxsim/retrieval.py): block_topk
 // packs scores [R, n] fp32 with document ids id0 .. id0+n-1 into int64 keys
 // ("higher score, then lower id"; NaN below every number) and returns the
-// top min(k, n) keys per row, sorted descending. decode_keys inverts a key
-// tensor into (scores fp32, ids int64); INT64_MIN is an empty slot (-inf, -1).
-using BlockTopkFn = at::Tensor(const at::Tensor& scores, int64_t id0, int64_t k);
+// top min(k, n) keys per row, sorted descending; with ids (int64 [R, n], same
+// device) the ids are ids[r, c] instead (id < 0: an empty slot; id0 unused).
+// decode_keys inverts a key tensor into (scores fp32, ids int64); INT64_MIN is
+// an empty slot (-inf, -1).
+using BlockTopkFn = at::Tensor(const at::Tensor& scores, int64_t id0, int64_t k, const c10::optional<at::Tensor>& ids);
 using DecodeKeysFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor& keys);
 
 // Backward from the saved argmax. grad [P] fp32. Returns (dq [Tq, dim],

@@ -68,7 +68,7 @@ def _quantize_fake(x, kind):
 
 
 @torch.library.register_fake(BLOCK_TOPK)
-def _block_topk_fake(scores, id0, k):
+def _block_topk_fake(scores, id0, k, ids=None):
     return scores.new_empty((scores.shape[0], min(k, scores.shape[1])), dtype=torch.int64)
 
 
@@ -111,12 +111,13 @@ def _reference_quantize(x, kind):
     return reference.quantize(x, kind)
 
 
-def _reference_block_topk(scores, id0, k):
+def _reference_block_topk(scores, id0, k, ids=None):
     _warn_fallback("block_topk", scores.device.type)
     from . import retrieval
 
-    ids = torch.arange(id0, id0 + scores.shape[1], device=scores.device)
-    keys = retrieval.encode_keys(scores, ids[None, :])
+    if ids is None:
+        ids = torch.arange(id0, id0 + scores.shape[1], device=scores.device)[None, :]
+    keys = retrieval.encode_keys(scores, ids)
     return keys.topk(min(k, scores.shape[1]), dim=1).values
 
 

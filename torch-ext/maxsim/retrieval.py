@@ -404,6 +404,17 @@ def _rescore(q, q_start, q_len, qm, Nq, Lq, corpus, keys, k, dev) -> Tensor:
     _, cand = ops.decode_keys(keys)
     orig = corpus.originals[0]
     q = q.to(orig.dtype)
+    if orig.device == dev:
+        # Originals where the compute is: the candidates are segments of them
+        # (same rows as the compressed tokens), scored in place, no gather.
+        ok = cand >= 0
+        safe = torch.where(ok, cand, 0)
+        st = corpus.starts[safe].view(-1)
+        ln = torch.where(ok, corpus.lengths[safe], -1).view(-1)  # -1: no candidate, NaN score
+        scores, _ = ops.forward(q, q_start, q_len, qm, orig, st, ln, corpus.originals[1],
+                                None, None, GROUPED, Lq, 0, False)
+        top = ops.block_topk(scores.view(Nq, kc), 0, k, cand)  # sorted already
+        return top if top.shape[1] == k else merge_topk(top, k)
     L = max(corpus.originals[4], 1)
     # Queries per group: gathered candidate tokens of about 256 MiB at most.
     per = max(1, (256 << 20) // max(1, kc * L * orig.shape[1] * orig.element_size()))
