@@ -130,9 +130,9 @@ void plan_dd(BwdParams& p, const cudaDeviceProp* prop, int occ_regs, int NG, siz
   const size_t per_sm = prop->sharedMemPerMultiprocessor;
   const size_t reserved = prop->reservedSharedMemPerBlock;
   const size_t budget = std::min<size_t>(prop->sharedMemPerBlockOptin, per_sm / 2 > reserved ? per_sm / 2 - reserved : per_sm / 2);
-  const size_t fixed = dd_meta_smem(0), per_row = row_bytes + dd_meta_smem(1) - fixed;
-  TORCH_CHECK(budget > fixed + per_row, "maxsim backward: not enough shared memory");
-  const int64_t rmax = std::min<int64_t>(kDdMaxR, (int64_t)((budget - fixed) / per_row));
+  const size_t fixed = dd_fixed_smem();
+  TORCH_CHECK(budget > fixed + row_bytes, "maxsim backward: not enough shared memory");
+  const int64_t rmax = std::min<int64_t>(4096, (int64_t)((budget - fixed) / row_bytes));
   const int64_t Nd = p.Nd;
   const int64_t ld = std::max<int64_t>(1, ceil_div(p.Td, Nd));     // mean rows per document
   const double ent = (double)p.P * p.lq / (double)Nd;               // mean entries per document
@@ -143,7 +143,7 @@ void plan_dd(BwdParams& p, const cudaDeviceProp* prop, int occ_regs, int NG, siz
   for (int64_t C = cmin; C <= cmax; ++C) {
     const int64_t R = ceil_div(ld, C);
     if (C > cmin && ceil_div(ld, C - 1) == R) continue;  // same tile
-    const size_t sm = (size_t)R * row_bytes + dd_meta_smem((int)R);
+    const size_t sm = (size_t)R * row_bytes + fixed;
     const int64_t occ = std::max<int64_t>(1, std::min<int64_t>(occ_regs, (int64_t)(per_sm / (sm + reserved))));
     const int64_t slots = occ * prop->multiProcessorCount;
     const int64_t n = Nd * C * p.H;
@@ -157,7 +157,7 @@ void plan_dd(BwdParams& p, const cudaDeviceProp* prop, int occ_regs, int NG, siz
   }
   p.R = (int)best_r;
   p.C = (int)best_c;
-  smem = (size_t)best_r * row_bytes + dd_meta_smem((int)best_r);
+  smem = (size_t)best_r * row_bytes + fixed;
   ctas = Nd * best_c * p.H;
 }
 

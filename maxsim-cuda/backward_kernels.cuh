@@ -24,15 +24,12 @@
 //   passes of R rows (rows [R*(c + C*t), +R) in pass t) accumulated in an
 //   fp32 shared tile. The entries (pair k of the document, query token i),
 //   in that order, are scanned in chunks of kChunk; those whose argmax falls
-//   in the pass are sorted by tile row, entry order kept within a row (a
-//   stable counting sort: __match_any_sync ranks within a warp, per-warp
-//   counters per row, row-major prefix). Lane group g owns the contiguous
-//   tile rows [g * rows / NG, (g + 1) * rows / NG), i.e. a contiguous stretch
-//   of the sorted queue: it streams the query rows (16-byte vectors, kRing
-//   in flight), sums grad * q for one tile row at a time in registers, and
-//   adds each row's sum to the tile once per chunk. A tile row is only ever
-//   touched by its owner group, in entry order: no races, fixed summation
-//   order.
+//   in the pass go, in entry order, to the queue of the lane group owning
+//   that tile row (row % NG) (an ordered compaction: __match_any_sync ranks
+//   within a warp, per-warp counters, owner-major prefix). Each group then
+//   drains its queue: loads the query row (16-byte vectors, kRing in flight)
+//   and adds grad * q into its own tile rows. A tile row is only ever touched
+//   by its owner group, in entry order: no races, fixed summation order.
 //
 // normalize (torch_binding.h): p.q_scale / p.d_scale hold the inverse row
 // norms; each gathered row's contribution carries its row's scale (dq: the
@@ -467,15 +464,11 @@ __global__ void __launch_bounds__(kThreads, 3) dq_kernel(const BwdParams p, int6
 // ---------------------------------------------------------------------------
 // dd
 // ---------------------------------------------------------------------------
-constexpr int kDdMaxR = 2 * kThreads;  // tile rows: two per thread in the row scan
-
-// Shared memory besides the tile: the queue (row, grad, tile row) and the
-// per-warp row counters / row offsets of a tile of R rows.
-__host__ __device__ constexpr size_t dd_meta_smem(int R) {
-  return (size_t)kChunk * (4 + 4 + 2) + ((size_t)kWarps * R + R + 1 + kWarps) * 4;
+__host__ __device__ constexpr size_t dd_fixed_smem() {
+  return (size_t)kChunk * (4 + 4 + 2) + (size_t)(2 * kWarps * 32 + 33) * 4;
 }
 
-// Dynamic shared memory: R * G * VEC * 4 + dd_meta_smem(R) bytes.
+// Dynamic shared memory: R * G * VEC * 4 + dd_fixed_smem() bytes.
 template <class T, class A, int VEC, class O>
 __global__ void __launch_bounds__(kThreads, 2) dd_kernel(const BwdParams p, int64_t item0) {
   using V = Vec<T, VEC>;
@@ -507,9 +500,9 @@ __global__ void __launch_bounds__(kThreads, 2) dd_kernel(const BwdParams p, int6
   int* q_row = reinterpret_cast<int*>(acc + (size_t)R * DCf);            // [kChunk]
   float* q_g = reinterpret_cast<float*>(q_row + kChunk);                 // [kChunk]
   unsigned short* q_rr = reinterpret_cast<unsigned short*>(q_g + kChunk);  // [kChunk]
-  int* cnt = reinterpret_cast<int*>(q_rr + kChunk);                       // [kWarps][R]
-  int* rowoff = cnt + kWarps * R;                                         // [R + 1]
-  int* wsum = rowoff + R + 1;                                             // [kWarps]
+  int* cntw = reinterpret_cast<int*>(q_rr + kChunk);                      // [kWarps][32]
+  int* qbase = cntw + kWarps * 32;                                        // [kWarps][32]
+  int* qoff = qbase + kWarps * 32;                                        // [33]
 
   const int drows = seg_rows(p.d_start, p.d_len, j, kNoWidth, p.Td);
   const int64_t ds = p.d_start[j];
@@ -560,107 +553,77 @@ __global__ void __launch_bounds__(kThreads, 2) dd_kernel(const BwdParams p, int6
           }
         }
       }
-      // B. rank of each hit among the earlier hits of the same tile row in
-      //    this warp (entry order), with per-warp running counters per row.
-      for (int r = lane; r < rlen; r += 32) cnt[warp * R + r] = 0;
+      // B. rank of each hit among the earlier hits of the same owner group
+      //    in this warp (entry order), with per-warp running counters.
+      cntw[warp * 32 + lane] = 0;
       __syncwarp();
 #pragma unroll
       for (int t = 0; t < kEpt; ++t) {
-        const int o = tg[t];
+        const int o = tg[t] >= 0 ? (tg[t] & (NG - 1)) : -1;
         const unsigned peers = __match_any_sync(0xffffffffu, o);
         const int rank = __popc(peers & ((1u << lane) - 1u));
         int base = 0;
-        if (o >= 0) base = cnt[warp * R + o];
+        if (o >= 0) base = cntw[warp * 32 + o];
         __syncwarp();
-        if (o >= 0 && rank == 0) cnt[warp * R + o] = base + __popc(peers);
+        if (o >= 0 && rank == 0) cntw[warp * 32 + o] = base + __popc(peers);
         __syncwarp();
         pos[t] = base + rank;
       }
       __syncthreads();
-      // C. row offsets (row-major, then warp order): rowoff[r] = hits of the
-      //    rows before r; cnt[w][r] becomes the queue base of warp w's hits.
-      {
-        const int r0 = 2 * tid;
-        int t0 = 0, t1 = 0;
+      // C. queue offsets: owner-major, then warp order.
+      if (warp == 0) {
+        int tot = 0;
 #pragma unroll
-        for (int w = 0; w < kWarps; ++w) {
-          if (r0 < rlen) t0 += cnt[w * R + r0];
-          if (r0 + 1 < rlen) t1 += cnt[w * R + r0 + 1];
-        }
-        const int sum = t0 + t1;
-        int incl = sum;
+        for (int w = 0; w < kWarps; ++w) tot += cntw[w * 32 + lane];
+        int incl = tot;
 #pragma unroll
         for (int o = 1; o < 32; o <<= 1) {
           const int y = __shfl_up_sync(0xffffffffu, incl, o);
           if (lane >= o) incl += y;
         }
-        if (lane == 31) wsum[warp] = incl;
-        __syncthreads();
-        int wbase = 0;
+        int run = incl - tot;
+        if (lane < NG) qoff[lane] = run;
+        if (lane == NG - 1) qoff[NG] = incl;
 #pragma unroll
-        for (int w = 0; w < kWarps; ++w) wbase += w < warp ? wsum[w] : 0;
-        const int ex = wbase + incl - sum;
-#pragma unroll
-        for (int q = 0; q < 2; ++q) {
-          const int r = r0 + q;
-          if (r < rlen) {
-            int run = q ? ex + t0 : ex;
-            rowoff[r] = run;
-#pragma unroll
-            for (int w = 0; w < kWarps; ++w) {
-              const int x = cnt[w * R + r];
-              cnt[w * R + r] = run;
-              run += x;
-            }
-          }
+        for (int w = 0; w < kWarps; ++w) {
+          qbase[w * 32 + lane] = run;
+          run += cntw[w * 32 + lane];
         }
-        if (tid == kThreads - 1) rowoff[rlen] = wbase + incl;
       }
       __syncthreads();
-      // D. write the hits to their sorted places.
+      // D. write the hits to their queues.
 #pragma unroll
       for (int t = 0; t < kEpt; ++t) {
         if (tg[t] >= 0) {
-          const int idx = cnt[warp * R + tg[t]] + pos[t];
+          const int idx = qbase[warp * 32 + (tg[t] & (NG - 1))] + pos[t];
           q_row[idx] = qr[t];
           q_g[idx] = gv[t];
           q_rr[idx] = (unsigned short)tg[t];
         }
       }
       __syncthreads();
-      // E. each group streams its stretch of the queue (its own tile rows),
-      //    summing one row at a time in registers; kRing row loads in flight.
+      // E. each group drains its queue into its own tile rows, in order.
+      //    Only the row vectors ride in registers (kRing loads in flight);
+      //    tile row and grad are read back from the queue when consumed.
       if (vok) {
-        const int x0 = rowoff[(gi * rlen) / NG], x1 = rowoff[((gi + 1) * rlen) / NG];
+        const int x0 = qoff[gi], x1 = qoff[gi + 1];
         raw_t buf[kRing];
         auto fetch = [&](int x, int u) {
           buf[u] = x < x1 ? V::load(qsrc + (int64_t)q_row[x] * dim + col) : V::zero();
         };
 #pragma unroll
         for (int u = 0; u < kRing; ++u) fetch(x0 + u, u);
-        int cur = -1;
-        float sumv[VEC];
         for (int x = x0; x < x1; x += kRing) {
 #pragma unroll
           for (int u = 0; u < kRing; ++u) {
             if (x + u < x1) {
-              const int row = q_rr[x + u];
-              if (row != cur) {
-                if (cur >= 0) smem_fma<VEC>(acc + (size_t)cur * DCf, l, G, 1.f, sumv);
-                cur = row;
-#pragma unroll
-                for (int e = 0; e < VEC; ++e) sumv[e] = 0.f;
-              }
               float f[VEC];
               V::unpack(buf[u], f);
-              const float g = q_g[x + u];
-#pragma unroll
-              for (int e = 0; e < VEC; ++e) sumv[e] = fmaf(g, f[e], sumv[e]);
+              smem_fma<VEC>(acc + (size_t)q_rr[x + u] * DCf, l, G, q_g[x + u], f);
             }
             fetch(x + kRing + u, u);
           }
         }
-        if (cur >= 0) smem_fma<VEC>(acc + (size_t)cur * DCf, l, G, 1.f, sumv);
       }
       __syncthreads();  // queues are rewritten by the next chunk
     }
