@@ -89,7 +89,6 @@ struct WgCfg {
 
 // Kernel flags.
 constexpr int kWgContiguous = 1;  // contiguous item ranges per CTA (else strided)
-constexpr int kWgArgSearch = 2;   // argmax fold: tile max first, then search (else sequential)
 constexpr int kWgFastLoader = 4;  // loader: slot-level loads only, rows from the slot table (fewer round trips)
 
 // Doc chunk of the previous item (producer and consumers decide residency
@@ -368,12 +367,12 @@ __device__ __forceinline__ void wg_finish(const FwdParams& p, const Work& w, con
 // Folds one accumulator tile (NJ 8-column blocks valid) into the running row
 // maxima of this thread (rows g and g + 8 of its warp; columns visited in
 // increasing order). Out-of-range / masked columns become -inf. Without
-// argmax: a max.NaN tree. With argmax: a sequential (max, argmax) update, or
-// (kWgArgSearch) the tree first and, in a tile that beats the running max
-// (strictly, or by a first NaN), a search for its lowest winning column.
+// argmax: a max.NaN tree. With argmax: a sequential (max, argmax) update
+// (measured faster than the tree followed by a search of tiles that beat the
+// running max: in short items nearly every tile took the search).
 template <typename T, int NJ, bool ARG, bool SC>
 __device__ __forceinline__ void wg_fold(const FwdParams& p, const Work& w, float* acc, int jt, float* best,
-                                        int* bidx, bool arg_search, const float* tile_scale) {
+                                        int* bidx, const float* tile_scale) {
   const int lane = threadIdx.x & 31;
   if constexpr (SC) {
     // Scaled tokens (int8, or normalize): fp32 product times the doc token's
@@ -420,7 +419,7 @@ __device__ __forceinline__ void wg_fold(const FwdParams& p, const Work& w, float
         }
       }
   }
-  if (ARG && !arg_search) {
+  if constexpr (ARG) {
     // Sequential (max, argmax) update, columns in increasing order. The
     // winner is kept as its offset in the tile (an immediate per column);
     // masking inside this loop made the compiler build a per-column bit mask
@@ -441,7 +440,6 @@ __device__ __forceinline__ void wg_fold(const FwdParams& p, const Work& w, float
       if (off[h] >= 0) bidx[h] = colbase + off[h];
     return;
   }
-  float m[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float x = max_nan(max_nan(acc[2 * h], acc[2 * h + 1]), max_nan(acc[4 + 2 * h], acc[5 + 2 * h]));
@@ -449,31 +447,7 @@ __device__ __forceinline__ void wg_fold(const FwdParams& p, const Work& w, float
     for (int jn = 2; jn < NJ; jn += 2)
       x = max_nan(x, max_nan(max_nan(acc[4 * jn + 2 * h], acc[4 * jn + 2 * h + 1]),
                              max_nan(acc[4 * jn + 4 + 2 * h], acc[4 * jn + 5 + 2 * h])));
-    m[h] = x;
-  }
-  if constexpr (!ARG) {
-    best[0] = max_nan(best[0], m[0]);
-    best[1] = max_nan(best[1], m[1]);
-  } else {
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const float mv = m[h];
-    const bool mnan = mv != mv;
-    const bool take = best[h] == best[h] && (mnan || mv > best[h]);
-    if (take) {
-      int off = 0;
-#pragma unroll
-      for (int jn = NJ - 1; jn >= 0; --jn)
-#pragma unroll
-        for (int e = 1; e >= 0; --e) {
-          const float v = acc[4 * jn + 2 * h + e];
-          const bool hit = mnan ? (v != v) : (v == mv);
-          off = hit ? jn * 8 + e : off;
-        }
-      best[h] = mv;
-      bidx[h] = colbase + off;
-    }
-  }
+    best[h] = max_nan(best[h], x);
   }
 }
 
@@ -484,8 +458,7 @@ template <typename T, int NKB, bool ARG, bool SC>
 __device__ __forceinline__ void wg_tile(const FwdParams& p, const Work& w, float* acc, float* acch,
                                         const uint32_t (*a)[4],
                                         int j, uint32_t g, uint32_t d_s, uint32_t bar_full, uint32_t bar_empty,
-                                        float* best, int* bidx, bool release, bool arg_search,
-                                        const float* stage_scales) {
+                                        float* best, int* bidx, bool release, const float* stage_scales) {
   using C = WgCfg<NKB>;
   constexpr int NK16 = NKB * 4;
   const int s = (int)(g % C::STAGES);
@@ -504,7 +477,7 @@ __device__ __forceinline__ void wg_tile(const FwdParams& p, const Work& w, float
     wg_wait<0>();
     wg_fence_acc<32>(acch);
     if (release && (threadIdx.x & 31) == 0) mbar_arrive(bar_empty + 8u * s);
-    wg_fold<T, 8, ARG, SC>(p, w, acch, j, best, bidx, arg_search, tile_scale);
+    wg_fold<T, 8, ARG, SC>(p, w, acch, j, best, bidx, tile_scale);
   } else {
     wg_fence_acc<64>(acc);
     wg_fence();
@@ -515,7 +488,7 @@ __device__ __forceinline__ void wg_tile(const FwdParams& p, const Work& w, float
     wg_wait<0>();
     wg_fence_acc<64>(acc);
     if (release && (threadIdx.x & 31) == 0) mbar_arrive(bar_empty + 8u * s);
-    wg_fold<T, 16, ARG, SC>(p, w, acc, j, best, bidx, arg_search, tile_scale);
+    wg_fold<T, 16, ARG, SC>(p, w, acc, j, best, bidx, tile_scale);
   }
 }
 #endif  // MAXSIM_WG_DEVICE
@@ -567,7 +540,6 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     i_hi = nitems;
     i_step = gridDim.x;
   }
-  const bool arg_search = (flags & kWgArgSearch) != 0;
   if (tid == 0) {
     for (int s = 0; s < ST; ++s) {
       mbar_init(bar_full + 8u * s, 1);
@@ -782,7 +754,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       const bool hold = ntiles <= ST;
       for (int j = 0; j < ntiles; ++j)
         wg_tile<T, NKB, ARG, SC>(p, w, acc, acch, a, j, chunk_g + (uint32_t)j, d_s, bar_full, bar_empty, best, bidx,
-                             !hold, arg_search, sc_g);
+                             !hold, sc_g);
       if (hold && !resident) {
         held_base = chunk_g;
         held_n = ntiles;
@@ -819,7 +791,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 // ---------------------------------------------------------------------------
 
 // Developer hook (benchmark harness only): force the kernel flags
-// (kWgContiguous | kWgArgSearch); -1 = heuristic.
+// (kWgContiguous | kWgFastLoader); -1 = heuristic.
 inline int& wg_forced_flags() {
   static int f = -1;
   return f;
