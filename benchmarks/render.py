@@ -154,11 +154,14 @@ def search_table(path: Path) -> str:
     m = data["meta"]
     out = [f"Search, top-{m.get('k', 100)} (**{m['gpu']}**, torch {m['torch']}, {m['date']}, commit "
            f"`{m['commit'].split()[0]}`; {m['timing']}; agreement = share of the exact bf16 top-k found):", "",
-           "| workload | impl | ms | vs bf16 | top-10 | top-100 |", "|---|---|---|---|---|---|"]
+           "| workload | impl | ms | vs bf16 | graph ms | vs bf16 (graph) | top-10 | top-100 |",
+           "|---|---|---|---|---|---|---|---|"]
     for r in data["rows"]:
         if "top10" not in r:
             continue
+        g = f"{r['graph_ms']:.3f}" if r.get("graph_ms") is not None else "-"
         out.append(f"| {r['workload']} | {r['impl']} | {r['ms']:.3f} | {fmt(r.get('vs_bf16'), 2) if 'vs_bf16' in r else '-'}"
+                   f" | {g} | {fmt(r.get('vs_bf16_graph'), 2) if 'vs_bf16_graph' in r else '-'}"
                    f" | {r['top10']:.4f} | {r['top100']:.4f} |")
     for r in data["rows"]:
         if "gbps" in r:
