@@ -386,7 +386,10 @@ def test_search_cuda_graph_capture(ms, kind):
     g = torch.Generator().manual_seed(53)
     docs, off = packed_corpus(30000, 64, torch.bfloat16, "cuda", g, max_len=12, min_len=1)
     quant = None if kind is None else "int8"
-    c = ms.Corpus(docs, off, quantization=quant, rescore="device" if kind == "int8+rescore" else None)
+    c = ms.Corpus(docs, off, device="cuda", quantization=quant, rescore="device" if kind == "int8+rescore" else None)
+    # "cuda" resolves to the current device, so device-resident originals are
+    # recognised as such (scored in place, not gathered)
+    assert c.device == docs.device and (c.originals is None or c.originals[0].device == c.device)
     Q = rand(2, 9, 64, device="cuda", gen=g).bfloat16()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())

@@ -194,6 +194,8 @@ class Corpus:
             dev = torch.device("cuda") if torch.cuda.is_available() else documents.device
         else:
             dev = documents.device
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())  # explicit: compared with tensors' devices
         if storage == "pinned" and dev.type != "cuda":
             raise ValueError("storage='pinned' streams to a CUDA device; none is available")
         if quantization == "fp8" and dev.type == "cuda" and torch.cuda.get_device_capability(dev) < (8, 9):
