@@ -242,11 +242,13 @@ def main():
             gpu_cap_gib=2, gbps=round(gb / (t / 1e3), 1), h2d_gbps=round(bw, 1),
             peak_mib=round(torch.cuda.max_memory_allocated() / 2**20, 1))
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=ROOT).stdout.strip()
-    except Exception:  # noqa: BLE001
-        commit = ""
+    commit = os.environ.get("MAXSIM_COMMIT", "")  # a copied work tree's git HEAD can be stale
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    cwd=ROOT).stdout.strip()
+        except Exception:  # noqa: BLE001
+            commit = ""
     meta = {"gpu": gpu, "torch": torch.__version__, "date": datetime.date.today().isoformat(),
             "commit": commit, "k": k, "dim": D, "timing": "median of CUDA-event times per call (ms) and per-call time of 5 calls in one CUDA graph (graph ms), one query, inputs resident"}
     out = Path(args.out) if args.out else ROOT / "bench_results" / (gpu.lower().replace(" ", "-") + "-search.json")
