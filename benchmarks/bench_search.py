@@ -111,7 +111,8 @@ def main():
     def quant_row(wl, quant, qc, Qs, q1, ref_ids, t_bf, g_bf, impl=None):
         _, ids = ms_.search(Qs, qc, k)
         t = timed(lambda: ms_.search(q1, qc, k))
-        g = None if qc.originals is not None and qc.originals[0].device.type == "cpu" else graph(lambda: ms_.search(q1, qc, k))
+        host_orig = qc.originals is not None and qc.originals[0].device.type == "cpu"  # gathers: syncs
+        g = None if host_orig else graph(lambda: ms_.search(q1, qc, k))
         extra = {} if g is None or g_bf is None else dict(graph_ms=g, vs_bf16_graph=round(g / g_bf, 3))
         row(workload=wl, impl=impl or f"maxsim-{quant}", ms=t, vs_bf16=round(t / t_bf, 3), **extra,
             top10=round(agreement(ids, ref_ids, 10), 4), top100=round(agreement(ids, ref_ids, 100), 4))
@@ -250,7 +251,9 @@ def main():
         except Exception:  # noqa: BLE001
             commit = ""
     meta = {"gpu": gpu, "torch": torch.__version__, "date": datetime.date.today().isoformat(),
-            "commit": commit, "k": k, "dim": D, "timing": "median of CUDA-event times per call (ms) and per-call time of 5 calls in one CUDA graph (graph ms), one query, inputs resident"}
+            "commit": commit, "k": k, "dim": D,
+            "timing": ("median of CUDA-event times per call (ms) and per-call time of 5 calls in one "
+                       "CUDA graph (graph ms), one query, inputs resident")}
     out = Path(args.out) if args.out else ROOT / "bench_results" / (gpu.lower().replace(" ", "-") + "-search.json")
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print("wrote", out)

@@ -28,15 +28,14 @@ __global__ void encode_keys_kernel(const float* __restrict__ s, const int64_t* _
 
 constexpr int kSelThreads = 512, kSelPer = 24, kSelChunk = kSelThreads * kSelPer, kSelMaxK = 1024;
 
-// Top kk (<= kSelMaxK) of row `row`'s chunk `chunk` (of nchunks): input scores
-// (KEYS = false: encoded here with ids id0 + column, or ids[row, column]) or keys (padding =
-// INT64_MIN, below every real key), n per row. Writes kk keys, sorted
-// descending, at out + blockIdx.x * kk. Real keys are unique (ids differ), so
-// exactly kk of them reach the final byte prefix; padding fills the rest.
+// Top kk (<= kSelMaxK) of one chunk (blockIdx.x = row * nchunks + chunk) of
+// n values per row: scores (KEYS = false; encoded here with ids id0 + column,
+// or ids[row, column]) or keys (padding = INT64_MIN, below every real key).
+// Writes kk keys, sorted descending, at out + blockIdx.x * kk.
 template <bool KEYS>
-__global__ void __launch_bounds__(kSelThreads) select_topk_kernel(const void* __restrict__ in, const int64_t* __restrict__ ids, int64_t n,
-                                                                  int64_t id0, int nchunks, int kk,
-                                                                  int64_t* __restrict__ out) {
+__global__ void __launch_bounds__(kSelThreads)
+    select_topk_kernel(const void* __restrict__ in, const int64_t* __restrict__ ids, int64_t n, int64_t id0,
+                       int nchunks, int kk, int64_t* __restrict__ out) {
   __shared__ int hist[256];
   __shared__ unsigned long long sel[kSelMaxK];
   __shared__ int bcast[3];  // chosen byte, keys still needed, done
@@ -110,7 +109,7 @@ __global__ void __launch_bounds__(kSelThreads) select_topk_kernel(const void* __
   }
   // Selected: the keys above the final prefix (kk - need of them), then
   // `need` of those equal to it (all of them when the prefix ended unique;
-  // otherwise they are padding, all alike).
+  // otherwise the remaining ones are equal keys, e.g. padding, all alike).
   int* count = hist;
   if (tid == 0) *count = 0;
   const int P = kk <= 1 ? 1 : 1 << (32 - __clz(kk - 1));  // sort size, power of two
@@ -159,7 +158,8 @@ at::Tensor block_topk_cuda(const at::Tensor& scores, int64_t id0, int64_t k, con
   TORCH_CHECK(scores.is_cuda() && scores.scalar_type() == at::kFloat && scores.dim() == 2,
               "maxsim: block_topk takes fp32 [rows, n] CUDA scores");
   TORCH_CHECK(k >= 0 && id0 >= 0 && id0 + scores.size(1) < search_keys::kLow, "maxsim: block_topk: bad k / id range");
-  TORCH_CHECK(!ids || (ids->device() == scores.device() && ids->scalar_type() == at::kLong && ids->sizes() == scores.sizes()),
+  TORCH_CHECK(!ids || (ids->device() == scores.device() && ids->scalar_type() == at::kLong &&
+                       ids->sizes() == scores.sizes()),
               "maxsim: block_topk: ids must be int64 with the scores' shape and device");
   c10::cuda::CUDAGuard guard(scores.device());
   const at::Tensor s = scores.contiguous();
