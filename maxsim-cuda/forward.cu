@@ -7,6 +7,10 @@
 //   * int8 / fp8 e4m3 tokens with per-token scales (forward_quant): the same
 //     tensor-core kernel on m16n8k32 (fp8 needs sm_89+); int8 with >= 128
 //     query rows per tile on sm_90a: the wgmma kernel (k32 steps);
+//   * fp16 / bf16 with lq <= 32, no argmax (inference on memory-bound
+//     shapes: one query or per-query candidates, documents of a few thousand
+//     tokens at most): the register-streaming kernel (forward_stream.cuh),
+//     one warp per pair, no shared memory;
 //   * fp32 (exact, default) and whatever the tensor-core kernel cannot take
 //     (odd dim in 16-bit types, rows not 4-byte aligned, a query tile too wide
 //     for shared memory): the FFMA kernel (forward_simt.cuh).
@@ -35,6 +39,7 @@
 
 #include "forward_mma.cuh"
 #include "forward_simt.cuh"
+#include "forward_stream.cuh"
 #include "forward_wgmma.cuh"
 #include "normalize_rows.cuh"
 #include "torch_binding.h"
@@ -173,6 +178,13 @@ int occupancy_mma_any(at::ScalarType t, int cfg, bool arg, size_t smem, bool sca
   if (t == at::kChar) return occupancy_mma<int8_t>(cfg, arg, smem);
   if (t == at::kFloat8_e4m3fn) return occupancy_mma<__nv_fp8_e4m3>(cfg, arg, smem);
   return occupancy_mma<float>(cfg, arg, smem);
+}
+
+void run_stream_any(at::ScalarType t, const FwdParams& p, int64_t dim, cudaStream_t st) {
+  if (t == at::kHalf)
+    run_stream<__half>(p, dim, st);
+  else
+    run_stream<__nv_bfloat16>(p, dim, st);
 }
 
 void run_simt_any(at::ScalarType t, bool arg, const FwdParams& p, int64_t item0, int64_t n, cudaStream_t st) {
@@ -354,6 +366,15 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
 
   // ---- path selection ------------------------------------------------------
   const auto* prop = at::cuda::getCurrentDeviceProperties();
+  // Register streaming: each warp reads its pair's document once, so CROSS
+  // with several queries (documents shared by query tiles) and very long
+  // documents (no split across warps) stay on the tile kernels.
+  const int64_t mean_ld = Nd > 0 ? d.size(0) / Nd : 0;
+  if (g_forced_cfg == -1 && !quant && prop->major >= 8 && (layout != kCross || Nq == 1) && mean_ld <= 4096 &&
+      stream_shape_ok(dtype, dim, lq, arg, scaled, p)) {
+    run_stream_any(dtype, p, dim, stream);
+    return {scores, argmax};
+  }
   const size_t smem_optin = prop->sharedMemPerBlockOptin;
   const int num_sms = prop->multiProcessorCount;
 

@@ -251,3 +251,55 @@ def test_tf32_option(ms, device):
     ref = ms.maxsim_reference(Q, D)
     out = ms.score_contrastive(Q, D.reshape(-1, 128), torch.arange(0, 351, 70, device=device), tf32=True)
     assert relerr(out, ref) < 2e-3
+
+
+@pytest.mark.parametrize("dim", [32, 64, 96, 128])
+@pytest.mark.parametrize("lq", [1, 15, 16, 17, 32])
+def test_short_query_streaming_shapes(ms, device, dtype, dim, lq):
+    """The shapes the CUDA register-streaming kernel takes (fp16 / bf16, lq
+    <= 32, dim 32 / 64 / 96 / 128, no argmax): one query against many
+    documents, per-query candidates and pair lists, with lengths (0 and
+    partial tiles of 8 tokens), token-mask holes, query masks, an invalid
+    document (NaN) and a NaN token; the with-argmax variant (tile kernels)
+    agrees."""
+    g = torch.Generator().manual_seed(dim * 100 + lq)
+    Q = rand(1, lq, dim, dtype=dtype, device=device, gen=g)
+    D = rand(37, 45, dim, dtype=dtype, device=device, gen=g)
+    dm = torch.rand(37, 45, generator=g) > 0.2
+    dm[3] = False  # no valid token: scores 0
+    dm[5, 9:] = False  # a length that ends inside a tile of 8
+    qm = torch.rand(1, lq, generator=g) > 0.25
+    qm[0, 0] = True
+    D[7, 4, 1] = float("nan")  # NaN in a counted token: NaN score
+    dm[7, 4] = True
+    qm_d, dm_d = qm.to(device), dm.to(device)
+    ref = ms.maxsim_reference(Q, D, qm_d, dm_d)
+    out = ms.maxsim(Q, D, qm_d, dm_d)
+    assert torch.isnan(out[0, 7]) and torch.isnan(ref[0, 7])
+    keep = torch.ones(37, dtype=torch.bool)
+    keep[7] = False
+    assert_close(out[:, keep], ref[:, keep], dtype)
+    # per-query candidates: 3 queries x 12 docs with lengths (0 included)
+    Qb = rand(3, lq, dim, dtype=dtype, device=device, gen=g)
+    Db = rand(3, 12, 45, dim, dtype=dtype, device=device, gen=g)
+    qlen = torch.randint(1, lq + 1, (3,), generator=g).to(device)
+    dlen = torch.randint(0, 46, (3, 12), generator=g)
+    dlen[0, 0] = 0
+    dlen = dlen.to(device)
+    ref = ms.maxsim_reference(Qb, Db, lengths_mask(qlen, lq), lengths_mask(dlen, 45).view(3, 12, 45))
+    assert_close(ms.score_candidates_padded(Qb, Db, qlen, dlen), ref, dtype)
+    s2, _ = ms.score_candidates_padded_with_argmax(Qb, Db, qlen, dlen)  # tile kernels
+    assert_close(s2, ref, dtype)
+    # pair list over packed tokens
+    q, d, qlens, dlens, qoff, doff = _packed(ms, device, dtype, 4, 9, lq, 70, dim, g)
+    pq = torch.randint(0, 4, (50,), generator=g)
+    pd = torch.randint(0, 9, (50,), generator=g)
+    Qp = torch.zeros(4, lq, dim, dtype=dtype)
+    Dp = torch.zeros(9, 70, dim, dtype=dtype)
+    for i in range(4):
+        Qp[i, : qlens[i]] = q[qoff[i]: qoff[i + 1]].cpu()
+    for i in range(9):
+        Dp[i, : dlens[i]] = d[doff[i]: doff[i + 1]].cpu()
+    ref = ms.maxsim_reference(Qp, Dp, lengths_mask(qlens, lq), lengths_mask(dlens, 70))[pq, pd]
+    out = ms.score_pairs_packed(q, qoff.to(device), d, doff.to(device), pq.to(device), pd.to(device))
+    assert_close(out, ref, dtype)
