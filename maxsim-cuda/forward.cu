@@ -181,11 +181,10 @@ int occupancy_mma_any(at::ScalarType t, int cfg, bool arg, size_t smem, bool sca
 }
 
 void run_stream_any(at::ScalarType t, const FwdParams& p, int64_t dim, cudaStream_t st) {
-  const bool persistent = g_forced_dpc != 1;  // developer hook: 1 = one warp per pair
   if (t == at::kHalf)
-    run_stream<__half>(p, dim, persistent, st);
+    run_stream<__half>(p, dim, st);
   else
-    run_stream<__nv_bfloat16>(p, dim, persistent, st);
+    run_stream<__nv_bfloat16>(p, dim, st);
 }
 
 void run_simt_any(at::ScalarType t, bool arg, const FwdParams& p, int64_t item0, int64_t n, cudaStream_t st) {

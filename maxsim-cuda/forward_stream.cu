@@ -6,12 +6,12 @@
 namespace maxsim {
 namespace cuda_fwd {
 template <>
-void run_stream<__half>(const FwdParams& p, int64_t dim, bool persistent, cudaStream_t st) {
-  run_stream_impl<__half>(p, dim, persistent, st);
+void run_stream<__half>(const FwdParams& p, int64_t dim, cudaStream_t st) {
+  run_stream_impl<__half>(p, dim, st);
 }
 template <>
-void run_stream<__nv_bfloat16>(const FwdParams& p, int64_t dim, bool persistent, cudaStream_t st) {
-  run_stream_impl<__nv_bfloat16>(p, dim, persistent, st);
+void run_stream<__nv_bfloat16>(const FwdParams& p, int64_t dim, cudaStream_t st) {
+  run_stream_impl<__nv_bfloat16>(p, dim, st);
 }
 }  // namespace cuda_fwd
 }  // namespace maxsim

@@ -18,10 +18,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
-
-#include <algorithm>
 
 #include "common.cuh"
 
@@ -43,9 +40,12 @@ __device__ __forceinline__ uint32_t u4_word(const uint4& v, int w) {
 
 // KS: k steps (dim / 16); MT: m tiles of 16 query rows (lq <= 16 * MT).
 template <typename T, int KS, int MT>
-__device__ __forceinline__ void stream_pair(const FwdParams& p, int64_t pr) {
+__global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const FwdParams p) {
+#if MAXSIM_STREAM_DEVICE
   constexpr int W = KS / 2;  // 16-byte vectors per lane per row
   const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const int64_t pr = (int64_t)blockIdx.x * kStreamWarps + (threadIdx.x >> 5);
+  if (pr >= p.P) return;  // warp-uniform
   int64_t n, dn;
   pair_ids(p, pr, n, dn);
   int qs, ql, ds, dl;
@@ -144,16 +144,6 @@ __device__ __forceinline__ void stream_pair(const FwdParams& p, int64_t pr) {
   if (use && p.q_mask != nullptr) use = p.q_mask[(int64_t)qs + lane];
   const float sum = warp_sum(use ? v : 0.f);
   if (lane == 0) p.scores[pr] = ok ? sum : __int_as_float(0x7fc00000);
-}
-
-// Warps walk pairs with a grid-wide stride: a grid of about the resident
-// warps leaves no partial last wave (pairs are mostly of similar length).
-template <typename T, int KS, int MT>
-__global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const FwdParams p) {
-#if MAXSIM_STREAM_DEVICE
-  const int64_t stride = (int64_t)gridDim.x * kStreamWarps;
-  for (int64_t pr = (int64_t)blockIdx.x * kStreamWarps + (threadIdx.x >> 5); pr < p.P; pr += stride)
-    stream_pair<T, KS, MT>(p, pr);  // warp-uniform loop
 #endif
 }
 
@@ -168,43 +158,25 @@ inline bool stream_shape_ok(at::ScalarType t, int64_t dim, int64_t lq, bool arg,
 
 // Defined for __half / __nv_bfloat16 in forward_stream.cu (run_stream_impl).
 template <typename T>
-void run_stream(const FwdParams& p, int64_t dim, bool persistent, cudaStream_t st);
-
-// Blocks to launch: the resident CTAs (occupancy cached per kernel by the
-// caller; persistent), else one warp per pair.
-template <typename K>
-int64_t stream_blocks(K kernel, int& occ, const FwdParams& p, bool persistent) {
-  const int64_t all = (p.P + kStreamWarps - 1) / kStreamWarps;
-  if (!persistent) return all;
-  if (occ == 0) {
-    int o = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o, kernel, kStreamWarps * 32, 0));
-    occ = o > 0 ? o : 1;
-  }
-  const int64_t resident = (int64_t)occ * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  return std::min(all, resident);
-}
+void run_stream(const FwdParams& p, int64_t dim, cudaStream_t st);
 
 template <typename T, int KS>
-void launch_stream(const FwdParams& p, bool persistent, cudaStream_t st) {
-  static int occ[2] = {0, 0};  // per instantiation (m tiles 1 / 2)
-  if (p.lq <= 16) {
-    auto k = stream_fwd_kernel<T, KS, 1>;
-    k<<<(unsigned)stream_blocks(k, occ[0], p, persistent), kStreamWarps * 32, 0, st>>>(p);
-  } else {
-    auto k = stream_fwd_kernel<T, KS, 2>;
-    k<<<(unsigned)stream_blocks(k, occ[1], p, persistent), kStreamWarps * 32, 0, st>>>(p);
-  }
+void launch_stream(const FwdParams& p, cudaStream_t st) {
+  const unsigned blocks = (unsigned)((p.P + kStreamWarps - 1) / kStreamWarps);
+  if (p.lq <= 16)
+    stream_fwd_kernel<T, KS, 1><<<blocks, kStreamWarps * 32, 0, st>>>(p);
+  else
+    stream_fwd_kernel<T, KS, 2><<<blocks, kStreamWarps * 32, 0, st>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <typename T>
-void run_stream_impl(const FwdParams& p, int64_t dim, bool persistent, cudaStream_t st) {
+void run_stream_impl(const FwdParams& p, int64_t dim, cudaStream_t st) {
   switch (dim) {
-    case 32: launch_stream<T, 2>(p, persistent, st); break;
-    case 64: launch_stream<T, 4>(p, persistent, st); break;
-    case 96: launch_stream<T, 6>(p, persistent, st); break;
-    case 128: launch_stream<T, 8>(p, persistent, st); break;
+    case 32: launch_stream<T, 2>(p, st); break;
+    case 64: launch_stream<T, 4>(p, st); break;
+    case 96: launch_stream<T, 6>(p, st); break;
+    case 128: launch_stream<T, 8>(p, st); break;
     default: TORCH_CHECK(false, "maxsim: streaming kernel: dim ", dim, " not supported");
   }
 }
