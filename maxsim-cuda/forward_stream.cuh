@@ -1,7 +1,9 @@
-// Register-streaming forward for short queries (fp16 / bf16, lq <= 32,
-// dim in {32, 64, 96, 128}, no argmax, no scales): memory-bound shapes
-// (reranking, corpus scans) where the tile kernel's shared-memory staging,
-// ldmatrix and barriers only add latency between DRAM and the tensor cores.
+// Register-streaming forward for one short query against many documents
+// (fp16 / bf16, lq <= 32, dim in {32, 64, 96, 128}, no argmax, no scales;
+// forward.cu selects it): memory-bound reranking and corpus scans, where the
+// tile kernel's shared-memory staging, ldmatrix and barriers only add latency
+// between DRAM and the tensor cores. Any layout works; the host takes it for
+// CROSS with one query only (measured, see forward.cu).
 //
 // One warp per pair, no shared memory. The query's A fragments stay in
 // registers; document tokens are loaded straight into B fragments, 8 tokens

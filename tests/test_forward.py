@@ -256,12 +256,11 @@ def test_tf32_option(ms, device):
 @pytest.mark.parametrize("dim", [32, 64, 96, 128])
 @pytest.mark.parametrize("lq", [1, 15, 16, 17, 32])
 def test_short_query_streaming_shapes(ms, device, dtype, dim, lq):
-    """The shapes the CUDA register-streaming kernel takes (fp16 / bf16, lq
-    <= 32, dim 32 / 64 / 96 / 128, no argmax): one query against many
-    documents, per-query candidates and pair lists, with lengths (0 and
-    partial tiles of 8 tokens), token-mask holes, query masks, an invalid
-    document (NaN) and a NaN token; the with-argmax variant (tile kernels)
-    agrees."""
+    """The shapes the CUDA register-streaming kernel takes (one fp16 / bf16
+    query of lq <= 32, dim 32 / 64 / 96 / 128, no argmax) with token-mask
+    holes (a document with none, one ending inside a tile of 8 tokens),
+    query masks and a NaN token; per-query candidates and pair lists of the
+    same shapes (tile kernels) agree with the reference too."""
     g = torch.Generator().manual_seed(dim * 100 + lq)
     Q = rand(1, lq, dim, dtype=dtype, device=device, gen=g)
     D = rand(37, 45, dim, dtype=dtype, device=device, gen=g)
