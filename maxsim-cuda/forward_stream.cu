@@ -1,4 +1,4 @@
-// Register-streaming forward kernels (forward_stream.cuh) for fp16, bf16 and int8.
+// Register-streaming forward kernels (forward_stream.cuh) for fp16 and bf16.
 #include <ATen/cuda/CUDAContext.h>
 
 #include "forward_stream.cuh"
@@ -6,16 +6,12 @@
 namespace maxsim {
 namespace cuda_fwd {
 template <>
-void run_stream<__half>(const FwdParams& p, cudaStream_t st) {
-  run_stream_impl<__half>(p, st);
+void run_stream<__half>(const FwdParams& p, int64_t dim, cudaStream_t st) {
+  run_stream_impl<__half>(p, dim, st);
 }
 template <>
-void run_stream<__nv_bfloat16>(const FwdParams& p, cudaStream_t st) {
-  run_stream_impl<__nv_bfloat16>(p, st);
-}
-template <>
-void run_stream<int8_t>(const FwdParams& p, cudaStream_t st) {
-  run_stream_impl<int8_t>(p, st);
+void run_stream<__nv_bfloat16>(const FwdParams& p, int64_t dim, cudaStream_t st) {
+  run_stream_impl<__nv_bfloat16>(p, dim, st);
 }
 }  // namespace cuda_fwd
 }  // namespace maxsim

@@ -1,6 +1,5 @@
 // Register-streaming forward for one short query against many documents
-// (fp16 / bf16, or int8 with per-token scales; lq <= 32, rows of 64 / 128 /
-// 192 / 256 bytes, e.g. dim 128 in 16 bits or in 8; no argmax, no normalize;
+// (fp16 / bf16, lq <= 32, dim in {32, 64, 96, 128}, no argmax, no scales;
 // forward.cu selects it): memory-bound reranking and corpus scans, where the
 // tile kernel's shared-memory staging, ldmatrix and barriers only add latency
 // between DRAM and the tensor cores. Any layout works; the host takes it for
@@ -11,7 +10,7 @@
 // (one m16n8k16 n tile) per step, U steps in flight. The trick that makes
 // the loads coalesced 16-byte vectors: a dot product does not care about
 // the order of k, so lane (g, c) (g = lane / 4, c = lane % 4) loads the
-// contiguous bytes [c * rb / 4, (c + 1) * rb / 4) of token g of the step,
+// contiguous dims [c * dim / 4, (c + 1) * dim / 4) of token g of the step,
 // and k step s uses its words 2s and 2s + 1 as {b0b1, b2b3}. The query rows'
 // A fragments are built from the same dims in the same order (row g and
 // g + 8: words 2s -> {a0a1, a2a3}, 2s + 1 -> {a4a5, a6a7}), so every product
@@ -29,12 +28,7 @@ namespace maxsim {
 namespace cuda_fwd {
 
 constexpr int kStreamWarps = 4;  // warps (pairs) per CTA
-// n tiles (8 tokens each) in flight per warp: 4 for rows over 128 bytes, 8
-// for shorter ones (about the same bytes in flight, registers permitting).
-template <int KS>
-constexpr int stream_u() {
-  return KS <= 4 ? 8 : 4;
-}
+constexpr int kStreamU = 4;      // n tiles (8 tokens each) in flight per warp
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
 #define MAXSIM_STREAM_DEVICE 0
@@ -46,16 +40,11 @@ __device__ __forceinline__ uint32_t u4_word(const uint4& v, int w) {
   return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w;
 }
 
-// KS: 32-byte k steps per row (m16n8k16 for 16-bit types, m16n8k32 for
-// int8: the fragments hold the same bytes); MT: m tiles of 16 query rows (lq
-// <= 16 * MT). 8-bit: the product times the document token's scale before
-// the max, the query row's scale after it (as forward_mma.cuh).
+// KS: k steps (dim / 16); MT: m tiles of 16 query rows (lq <= 16 * MT).
 template <typename T, int KS, int MT>
 __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const FwdParams p) {
 #if MAXSIM_STREAM_DEVICE
   constexpr int W = KS / 2;  // 16-byte vectors per lane per row
-  constexpr int kStreamU = stream_u<KS>();
-  constexpr bool SC = std::is_same<T, int8_t>::value;
   const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   const int64_t pr = (int64_t)blockIdx.x * kStreamWarps + (threadIdx.x >> 5);
   if (pr >= p.P) return;  // warp-uniform
@@ -128,22 +117,11 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
           v0 = v0 && p.d_mask[(int64_t)ds + j0];
           v1 = v1 && p.d_mask[(int64_t)ds + j0 + 1];
         }
-        float s0 = 1.f, s1 = 1.f;
-        if constexpr (SC) {
-          s0 = v0 ? p.d_scale[(int64_t)ds + j0] : 0.f;
-          s1 = v1 ? p.d_scale[(int64_t)ds + j0 + 1] : 0.f;
-        }
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            float x0 = Mma<T>::value(acc[mt][2 * h]), x1 = Mma<T>::value(acc[mt][2 * h + 1]);
-            if constexpr (SC) {
-              x0 *= s0;
-              x1 *= s1;
-            }
-            best[mt][h] = max_nan(best[mt][h], max_nan(v0 ? x0 : neg_inf(), v1 ? x1 : neg_inf()));
-          }
+          for (int h = 0; h < 2; ++h)
+            best[mt][h] = max_nan(best[mt][h], max_nan(v0 ? acc[mt][2 * h] : neg_inf(), v1 ? acc[mt][2 * h + 1] : neg_inf()));
       }
       fetch(t + kStreamU, u);
     }
@@ -166,26 +144,23 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
     }
   bool use = ok && lane < ql && v != neg_inf();
   if (use && p.q_mask != nullptr) use = p.q_mask[(int64_t)qs + lane];
-  if constexpr (SC) {
-    if (use) v *= p.q_scale[(int64_t)qs + lane];
-  }
   const float sum = warp_sum(use ? v : 0.f);
   if (lane == 0) p.scores[pr] = ok ? sum : __int_as_float(0x7fc00000);
 #endif
 }
 
 // Whether the streaming kernel takes this forward (host side).
-inline bool stream_shape_ok(at::ScalarType t, bool quant, int64_t lq, bool arg, bool scaled, const FwdParams& p) {
-  if (quant ? t != at::kChar : (t != at::kHalf && t != at::kBFloat16)) return false;
+inline bool stream_shape_ok(at::ScalarType t, int64_t dim, int64_t lq, bool arg, bool scaled, const FwdParams& p) {
+  if (t != at::kHalf && t != at::kBFloat16) return false;
   if (arg || scaled || lq < 1 || lq > 32) return false;
-  const int64_t rb = p.row_bytes;
-  if (rb != 64 && rb != 128 && rb != 192 && rb != 256) return false;
-  return reinterpret_cast<uintptr_t>(p.q) % 16 == 0 && reinterpret_cast<uintptr_t>(p.d) % 16 == 0;
+  if (dim != 32 && dim != 64 && dim != 96 && dim != 128) return false;
+  return p.row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(p.q) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(p.d) % 16 == 0;
 }
 
 // Defined for __half / __nv_bfloat16 in forward_stream.cu (run_stream_impl).
 template <typename T>
-void run_stream(const FwdParams& p, cudaStream_t st);
+void run_stream(const FwdParams& p, int64_t dim, cudaStream_t st);
 
 template <typename T, int KS>
 void launch_stream(const FwdParams& p, cudaStream_t st) {
@@ -198,13 +173,13 @@ void launch_stream(const FwdParams& p, cudaStream_t st) {
 }
 
 template <typename T>
-void run_stream_impl(const FwdParams& p, cudaStream_t st) {
-  switch (p.row_bytes) {
-    case 64: launch_stream<T, 2>(p, st); break;
-    case 128: launch_stream<T, 4>(p, st); break;
-    case 192: launch_stream<T, 6>(p, st); break;
-    case 256: launch_stream<T, 8>(p, st); break;
-    default: TORCH_CHECK(false, "maxsim: streaming kernel: row of ", p.row_bytes, " bytes not supported");
+void run_stream_impl(const FwdParams& p, int64_t dim, cudaStream_t st) {
+  switch (dim) {
+    case 32: launch_stream<T, 2>(p, st); break;
+    case 64: launch_stream<T, 4>(p, st); break;
+    case 96: launch_stream<T, 6>(p, st); break;
+    case 128: launch_stream<T, 8>(p, st); break;
+    default: TORCH_CHECK(false, "maxsim: streaming kernel: dim ", dim, " not supported");
   }
 }
 
