@@ -404,3 +404,28 @@ def test_search_cuda_graph_capture(ms, kind):
     graph.replay()
     want = ms.search(Q, c, 37)
     assert torch.equal(out[1], want[1]) and torch.equal(out[0], want[0])
+
+
+@pytest.mark.parametrize("dim", [64, 128, 256])
+@pytest.mark.parametrize("lq", [1, 17, 32])
+@pytest.mark.parametrize("device", DEVICES)
+def test_int8_one_query_scan_exact(ms, device, dim, lq):
+    """One short query over an int8 corpus (rows of 64 / 128 / 256 bytes):
+    exact against the dequantised fp64 reference, with empty documents,
+    token-mask holes and a query mask."""
+    g = torch.Generator().manual_seed(dim + lq)
+    N, L = 260, 41
+    D = rand(N, L, dim, device=device, gen=g)
+    mask = torch.rand(N, L, generator=g) < 0.85
+    mask[4] = False
+    corpus = ms.Corpus(D, mask=mask.to(device), device=device, quantization="int8")
+    Q = rand(1, lq, dim, device=device, gen=g)
+    qmask = torch.rand(1, lq, generator=g) < 0.8
+    qmask[0, 0] = True
+    s, ids = ms.search(Q, corpus, 40, query_mask=qmask.to(device))
+    qv, qs = ms.quantize_tokens(Q.reshape(-1, dim), "int8")
+    deq_q = ms.reference.dequantize(qv.cpu(), qs.cpu(), torch.float64)[:, :dim].reshape(1, lq, dim)
+    deq_d = ms.reference.dequantize(corpus.tokens.cpu(), corpus.scales.cpu(), torch.float64)[:, :dim]
+    off = torch.arange(N + 1) * L
+    ref = ref_scores(ms, deq_q, deq_d, off, q_mask=qmask, d_mask=mask.reshape(-1))
+    check_topk(s, ids, ref, 40, 1e-5)
