@@ -66,7 +66,7 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
 #pragma unroll
       for (int w = 0; w < W; ++w) seg[w] = make_uint4(0, 0, 0, 0);
       if (ok && i < ql) {
-        const uint4* src = reinterpret_cast<const uint4*>(p.q + (int64_t)(qs + i) * rb + lane_off);
+        const uint4* src = reinterpret_cast<const uint4*>(p.q + ((int64_t)qs + i) * rb + lane_off);
 #pragma unroll
         for (int w = 0; w < W; ++w) seg[w] = __ldg(src + w);
       }
@@ -121,7 +121,8 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
           for (int h = 0; h < 2; ++h)
-            best[mt][h] = max_nan(best[mt][h], max_nan(v0 ? acc[mt][2 * h] : neg_inf(), v1 ? acc[mt][2 * h + 1] : neg_inf()));
+            best[mt][h] = max_nan(best[mt][h],
+                                  max_nan(v0 ? acc[mt][2 * h] : neg_inf(), v1 ? acc[mt][2 * h + 1] : neg_inf()));
       }
       fetch(t + kStreamU, u);
     }
