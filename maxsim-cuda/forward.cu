@@ -371,7 +371,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
   // query candidates (GROUPED) measured 3-9 % slower streamed than on the
   // tile kernel (H100, padded Rerank / HeavyRerank), which loads a query tile
   // once for several documents; very long documents need the split.
-  const int64_t mean_ld = Nd > 0 ? d.size(0) / Nd : 0;
+  const int64_t mean_ld = Nd > 0 ? d.size(0) / Nd : 0;  // also sizes the doc splits below
   if (g_forced_cfg == -1 && !quant && prop->major >= 8 && layout == kCross && Nq == 1 && mean_ld <= 4096 &&
       stream_shape_ok(dtype, dim, lq, arg, scaled, p)) {
     run_stream_any(dtype, p, dim, stream);
@@ -443,8 +443,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
   if (g_forced_splits > 0) {
     S = g_forced_splits;
   } else if (items_base < slots) {
-    const int64_t avg_ld = Nd > 0 ? d.size(0) / Nd : 0;
-    const int64_t by_len = avg_ld / (2 * bn);  // keep >= 2 tiles per chunk
+    const int64_t by_len = mean_ld / (2 * bn);  // keep >= 2 tiles per chunk
     const int64_t want = (2 * slots + items_base - 1) / items_base;
     S = (int)std::max<int64_t>(1, std::min<int64_t>({want, by_len, 1024}));
   }
