@@ -73,3 +73,18 @@ def assert_close(out, ref, dtype, factor=1.0, floor=0.0):
 
 def lengths_mask(lengths: torch.Tensor, extent: int) -> torch.Tensor:
     return torch.arange(extent, device=lengths.device)[None, :] < lengths.reshape(-1, 1)
+
+
+def capture_cuda_graph(fn, warmup: int = 2):
+    """Warm ``fn`` up on a side stream, then capture one call in a CUDA
+    graph: (graph, the captured call's outputs, refreshed by replay)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out

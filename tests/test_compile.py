@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_close, rand
+from conftest import assert_close, capture_cuda_graph, rand
 
 BACKENDS = ["aot_eager", "inductor"]
 
@@ -125,15 +125,7 @@ def test_cuda_graph_capture_train(ms, normalize):
     def step():
         return torch.autograd.grad(ms.maxsim(Q, D, normalize=normalize), [Q, D], g)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        dq, dd = step()
+    graph, (dq, dd) = capture_cuda_graph(step)
     with torch.no_grad():
         Q.copy_(rand(5, 33, 64, device="cuda", gen=gen))
         D.copy_(rand(7, 301, 64, device="cuda", gen=gen))

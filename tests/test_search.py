@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import DEVICES, rand
+from conftest import DEVICES, capture_cuda_graph, rand
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
@@ -391,15 +391,7 @@ def test_search_cuda_graph_capture(ms, kind):
     # recognised as such (scored in place, not gathered)
     assert c.device == docs.device and (c.originals is None or c.originals[0].device == c.device)
     Q = rand(2, 9, 64, device="cuda", gen=g).bfloat16()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            ms.search(Q, c, 37)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = ms.search(Q, c, 37)
+    graph, out = capture_cuda_graph(lambda: ms.search(Q, c, 37))
     Q.copy_(rand(2, 9, 64, device="cuda", gen=g).bfloat16())
     graph.replay()
     want = ms.search(Q, c, 37)
