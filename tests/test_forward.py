@@ -302,3 +302,48 @@ def test_short_query_streaming_shapes(ms, device, dtype, dim, lq):
     ref = ms.maxsim_reference(Qp, Dp, lengths_mask(qlens, lq), lengths_mask(dlens, 70))[pq, pd]
     out = ms.score_pairs_packed(q, qoff.to(device), d, doff.to(device), pq.to(device), pd.to(device))
     assert_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_one_query_many_documents(ms, device, dtype, dim):
+    """More documents than a GPU keeps warps resident (1056 on an H100), so the
+    CUDA streaming kernel gives each warp a range of documents and prefetches
+    across their boundaries: ragged packed lengths with runs of empty
+    documents (at both ends and inside), a NaN token, token masks on the
+    padded layout, and per-query candidate lists of the same size."""
+    g = torch.Generator().manual_seed(dim)
+    nd, ld, lq = 3001, 40, 24
+    dlens = torch.randint(0, ld + 1, (nd,), generator=g)
+    dlens[:5] = 0
+    dlens[-3:] = 0
+    dlens[1000:1040] = 0
+    dlens[17] = 9
+    doff = torch.cat([torch.zeros(1, dtype=torch.long), dlens.cumsum(0)])
+    Q = rand(1, lq, dim, dtype=dtype, device=device, gen=g)
+    d = rand(int(doff[-1]), dim, dtype=dtype, device=device, gen=g)
+    d[int(doff[17]) + 8, 3] = float("nan")
+    Dp = torch.zeros(nd, ld, dim, dtype=dtype)
+    for i in range(nd):
+        Dp[i, : dlens[i]] = d[doff[i]: doff[i + 1]].cpu()
+    dm = lengths_mask(dlens, ld)
+    ref = ms.maxsim_reference(Q.cpu(), Dp, None, dm)
+    out = ms.score_contrastive(Q, d, doff.to(device))
+    assert torch.isnan(out[0, 17]) and torch.isnan(ref[0, 17])
+    keep = torch.ones(nd, dtype=torch.bool)
+    keep[17] = False
+    assert_close(out[:, keep].cpu(), ref[:, keep], dtype)
+    assert torch.all(out[0, dlens == 0] == 0)
+    # padded layout with holes in the token mask
+    Dd = Dp.to(device)
+    dm2 = dm & (torch.rand(nd, ld, generator=g) > 0.3)
+    ref2 = ms.maxsim_reference(Q.cpu(), Dp, None, dm2)
+    out2 = ms.maxsim(Q, Dd, None, dm2.to(device))
+    assert_close(out2[:, keep].cpu(), ref2[:, keep], dtype)
+    # per-query candidates: 3 queries x 1000 documents each
+    Qb = rand(3, lq, dim, dtype=dtype, device=device, gen=g)
+    qlen = torch.randint(1, lq + 1, (3,), generator=g)
+    Db = torch.nan_to_num(Dd[1:]).view(3, 1000, ld, dim)
+    dlb = dlens[1:].view(3, 1000)
+    refb = ms.maxsim_reference(Qb.cpu(), Db.cpu(), lengths_mask(qlen, lq), lengths_mask(dlb.reshape(-1), ld).view(3, 1000, ld))
+    outb = ms.score_candidates_padded(Qb, Db, qlen.to(device), dlb.to(device))
+    assert_close(outb.cpu(), refb, dtype)
