@@ -164,7 +164,8 @@ def test_block_topk_op_matches_reference(ms, device):
                                (3, 4097, 10, 3, True), (1, 10000, 100, 123456, True), (2, 9000, 0, 0, True),
                                (1, 20000, 1023, 0, True), (2, 20000, 1024, 5, True), (1, 12289, 400, 0, True),
                                (1, 12288, 1, 0, False), (2, 100000, 100, 0, False), (1, 300000, 1000, 9, False),
-                               (1, 300000, 700, 0, True), (4, 24577, 13, 0, False)):
+                               (1, 300000, 700, 0, True), (4, 24577, 13, 0, False), (1, 2048, 100, 0, True),
+                               (2, 2049, 1000, 1, True), (1, 1000000, 100, 0, False)):
         s = (torch.randn(R, n, generator=g) * 4).round() / 4 if tied else torch.randn(R, n, generator=g)
         if n > 10:
             s[:, 3] = float("nan")
