@@ -415,22 +415,23 @@ def _rescore(q, q_start, q_len, qm, Nq, Lq, corpus, keys, k, dev) -> Tensor:
         ln = torch.where(ok, corpus.lengths[safe], -1).view(-1)  # -1: no candidate, NaN score
         scores, _ = ops.forward(q, q_start, q_len, qm, orig, st, ln, corpus.originals[1],
                                 None, None, GROUPED, Lq, 0, False)
-        top = ops.block_topk(scores.view(Nq, kc), 0, k, cand)  # sorted already
-        return top if top.shape[1] == k else merge_topk(top, k)
-    L = max(corpus.originals[4], 1)
-    # Queries per group: gathered candidate tokens of about 256 MiB at most.
-    per = max(1, (256 << 20) // max(1, kc * L * orig.shape[1] * orig.element_size()))
-    out = []
-    for n0 in range(0, Nq, per):
-        n1 = min(Nq, n0 + per)
-        tok, m, st, ln = corpus._gather_originals(cand[n0:n1].reshape(-1), dev)
-        qs, ql = q_start[n0:n1] - q_start[n0], q_len[n0:n1]
-        rows = slice(n0 * Lq, n1 * Lq)
-        scores, _ = ops.forward(q[rows], qs, ql, None if qm is None else qm[rows], tok, st, ln, m,
-                                None, None, GROUPED, Lq, 0, False)
-        scores = scores.view(n1 - n0, kc)
-        out.append(encode_keys(scores, cand[n0:n1]))  # id -1 (no candidate) -> empty slot
-    return merge_topk(torch.cat(out), k)
+        scores = scores.view(Nq, kc)
+    else:  # originals elsewhere (pinned / host): gather the candidates' tokens
+        L = max(corpus.originals[4], 1)
+        # Queries per group: gathered candidate tokens of about 256 MiB at most.
+        per = max(1, (256 << 20) // max(1, kc * L * orig.shape[1] * orig.element_size()))
+        parts = []
+        for n0 in range(0, Nq, per):
+            n1 = min(Nq, n0 + per)
+            tok, m, st, ln = corpus._gather_originals(cand[n0:n1].reshape(-1), dev)
+            qs, ql = q_start[n0:n1] - q_start[n0], q_len[n0:n1]
+            rows = slice(n0 * Lq, n1 * Lq)
+            part, _ = ops.forward(q[rows], qs, ql, None if qm is None else qm[rows], tok, st, ln, m,
+                                  None, None, GROUPED, Lq, 0, False)
+            parts.append(part.view(n1 - n0, kc))
+        scores = parts[0] if len(parts) == 1 else torch.cat(parts)
+    top = ops.block_topk(scores, 0, k, cand)  # id -1 (no candidate): empty slot; sorted
+    return top if top.shape[1] == k else merge_topk(top, k)
 
 
 def search(queries: Tensor, corpus, k: int, *, query_lengths: Optional[Tensor] = None,
