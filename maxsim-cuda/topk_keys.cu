@@ -117,11 +117,16 @@ __global__ void __launch_bounds__(kSelThreads)
   unsigned long long lo = red[0][0], hi = red[1][0];
   const int live = bcast[3];
   int need = min(kk, live);  // keys still to take from [lo, hi]
+  int pk = 1;
+  while (pk < kk) pk <<= 1;
+  // Fewer keys to sort beat fewer passes: a pass costs ~5 barriers, the
+  // sort of 2048 keys 30 more stages than that of 256.
+  const int cap = max(256, 2 * pk);
   int above_range = 0;       // keys above hi, all taken
   unsigned long long cut = lo;  // take every key >= cut (those == cut: `need` of them when shift == 0)
   int shift = 0;
   bool exact_cut = false;
-  if (need > 0 && live > kSelCap) {
+  if (need > 0 && live > cap) {
     while (true) {
       const unsigned long long span = hi - lo;
       shift = span == 0 ? 0 : max(0, 64 - __clzll(span) - kSelBinBits);
@@ -175,7 +180,7 @@ __global__ void __launch_bounds__(kSelThreads)
       const int bin = bcast[0], above = bcast[1], inbin = bcast[2];
       __syncthreads();  // bcast / hist / wsum are rewritten by the next pass
       const unsigned long long blo = lo + ((unsigned long long)bin << shift);
-      if (above_range + above + inbin <= kSelCap || shift == 0) {
+      if (above_range + above + inbin <= cap || shift == 0) {
         cut = blo;
         exact_cut = shift == 0;  // one value: equal keys (empty duplicates only) need capping
         need -= above;
@@ -194,8 +199,7 @@ __global__ void __launch_bounds__(kSelThreads)
   __syncthreads();
   if (tid == 0) *count = 0;
   const int total = need <= 0 ? 0 : min(kSelCap, live);
-  int P = 1;
-  while (P < kk) P <<= 1;
+  int P = pk;
   for (int i = tid; i < kSelCap; i += kSelThreads) sel[i] = 0;
   __syncthreads();
   if (total > 0) {
@@ -222,10 +226,13 @@ __global__ void __launch_bounds__(kSelThreads)
   __syncthreads();
   const int got = min(*count, kSelCap);
   while (P < got) P <<= 1;
+  // Bitonic sort, thread t on pair t (P / 2 <= kSelThreads). At strides <=
+  // 32 warp w only touches elements [64 w, 64 w + 64): a warp barrier is
+  // enough between two such stages.
   for (int size = 2; size <= P; size <<= 1) {
     for (int stride = size >> 1; stride > 0; stride >>= 1) {
-      for (int t = tid; t < P / 2; t += kSelThreads) {
-        const int i = 2 * t - (t & (stride - 1)), j = i + stride;
+      if (tid < P / 2) {
+        const int i = 2 * tid - (tid & (stride - 1)), j = i + stride;
         const bool desc = (i & size) == 0;
         const unsigned long long a = sel[i], b = sel[j];
         if ((a < b) == desc) {
@@ -233,9 +240,14 @@ __global__ void __launch_bounds__(kSelThreads)
           sel[j] = a;
         }
       }
-      __syncthreads();
+      const int next = stride > 1 ? stride >> 1 : size;  // next stage's stride
+      if (stride > 32 || next > 32)
+        __syncthreads();
+      else
+        __syncwarp();
     }
   }
+  __syncthreads();
   int64_t* o = out + (int64_t)blockIdx.x * kk;
   for (int i = tid; i < kk; i += kSelThreads) o[i] = (int64_t)(sel[i] ^ kSign);
 }
