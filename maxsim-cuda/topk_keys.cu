@@ -27,13 +27,20 @@ constexpr int kSelThreads = 1024, kSelPer = 12, kSelChunk = kSelThreads * kSelPe
 constexpr int kSelBinBits = 11, kSelBins = 1 << kSelBinBits;  // 2 bins per thread
 constexpr int kSelCap = 2048;                                  // keys the final sort takes
 
-__device__ __forceinline__ unsigned long long shfl_u64(unsigned long long v, int src) {
-  const unsigned lo = __shfl_sync(0xffffffffu, (unsigned)v, src), hi = __shfl_sync(0xffffffffu, (unsigned)(v >> 32), src);
+__device__ __forceinline__ unsigned long long shfl_xor_u64(unsigned long long v, int m) {
+  const unsigned lo = __shfl_xor_sync(0xffffffffu, (unsigned)v, m);
+  const unsigned hi = __shfl_xor_sync(0xffffffffu, (unsigned)(v >> 32), m);
   return ((unsigned long long)hi << 32) | lo;
 }
-__device__ __forceinline__ unsigned long long shfl_xor_u64(unsigned long long v, int m) {
-  const unsigned lo = __shfl_xor_sync(0xffffffffu, (unsigned)v, m), hi = __shfl_xor_sync(0xffffffffu, (unsigned)(v >> 32), m);
-  return ((unsigned long long)hi << 32) | lo;
+
+// Warp-wide min, max and sum, left in every lane.
+__device__ __forceinline__ void warp_min_max_sum(unsigned long long& mn, unsigned long long& mx, int& cnt) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    mn = min(mn, shfl_xor_u64(mn, o));
+    mx = max(mx, shfl_xor_u64(mx, o));
+    cnt += __shfl_xor_sync(0xffffffffu, cnt, o);
+  }
 }
 
 // Top kk (< kSelMaxK) of one chunk (blockIdx.x = row * nchunks + chunk) of
@@ -85,12 +92,7 @@ __global__ void __launch_bounds__(kSelThreads)
   int cnt = 0;
 #pragma unroll
   for (int e = 0; e < kSelPer; ++e) cnt += u[e] != 0;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    mn = min(mn, shfl_xor_u64(mn, o));
-    mx = max(mx, shfl_xor_u64(mx, o));
-    cnt += __shfl_xor_sync(0xffffffffu, cnt, o);
-  }
+  warp_min_max_sum(mn, mx, cnt);
   if (lane == 0) {
     red[0][warp] = mn;
     red[1][warp] = mx;
@@ -101,12 +103,7 @@ __global__ void __launch_bounds__(kSelThreads)
     mn = red[0][lane];
     mx = red[1][lane];
     cnt = wsum[lane];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      mn = min(mn, shfl_xor_u64(mn, o));
-      mx = max(mx, shfl_xor_u64(mx, o));
-      cnt += __shfl_xor_sync(0xffffffffu, cnt, o);
-    }
+    warp_min_max_sum(mn, mx, cnt);
     if (lane == 0) {
       red[0][0] = mn;
       red[1][0] = mx;
