@@ -223,25 +223,31 @@ __global__ void __launch_bounds__(kSelThreads)
   __syncthreads();
   const int got = min(*count, kSelCap);
   while (P < got) P <<= 1;
-  // Bitonic sort, thread t on pair t (P / 2 <= kSelThreads). At strides <=
-  // 32 warp w only touches elements [64 w, 64 w + 64): a warp barrier is
-  // enough between two such stages.
-  for (int size = 2; size <= P; size <<= 1) {
-    for (int stride = size >> 1; stride > 0; stride >>= 1) {
-      if (tid < P / 2) {
-        const int i = 2 * tid - (tid & (stride - 1)), j = i + stride;
-        const bool desc = (i & size) == 0;
-        const unsigned long long a = sel[i], b = sel[j];
-        if ((a < b) == desc) {
-          sel[i] = b;
-          sel[j] = a;
+  // Bitonic sort, thread t on pair t (P / 2 <= kSelThreads), run by the
+  // whole warps that hold pairs only (a named barrier over them; the other
+  // warps issued every stage's loop and barrier for nothing: ncu showed the
+  // kernel bound by issue latency). At strides <= 32 warp w only touches
+  // elements [64 w, 64 w + 64): a warp barrier is enough between two such
+  // stages.
+  const int nsort = max(32, P / 2);
+  if (tid < nsort) {
+    for (int size = 2; size <= P; size <<= 1) {
+      for (int stride = size >> 1; stride > 0; stride >>= 1) {
+        if (tid < P / 2) {
+          const int i = 2 * tid - (tid & (stride - 1)), j = i + stride;
+          const bool desc = (i & size) == 0;
+          const unsigned long long a = sel[i], b = sel[j];
+          if ((a < b) == desc) {
+            sel[i] = b;
+            sel[j] = a;
+          }
         }
+        const int next = stride > 1 ? stride >> 1 : size;  // next stage's stride
+        if (stride > 32 || next > 32)
+          asm volatile("bar.sync 1, %0;" ::"r"(nsort) : "memory");
+        else
+          __syncwarp();
       }
-      const int next = stride > 1 ? stride >> 1 : size;  // next stage's stride
-      if (stride > 32 || next > 32)
-        __syncthreads();
-      else
-        __syncwarp();
     }
   }
   __syncthreads();
