@@ -51,10 +51,11 @@ __device__ __forceinline__ void warp_min_max_sum(unsigned long long& mn, unsigne
 // Keys are unsigned-ordered (u = key ^ sign; u = 0: empty slot, ignored).
 // The live range [lo, hi] starts at the chunk's min / max and is cut into
 // 2048 bins by (u - lo) >> shift (monotone in u); one pass counts the bins,
-// a block scan finds the bin of the need-th key, and if the keys from that
-// bin up fit the sort (2048) they are gathered and bitonic-sorted, exact ids
-// breaking ties. Otherwise the range narrows to that bin and the pass
-// repeats (11 more bits each time; one pass is the usual case for scores).
+// a block scan finds the bin of the need-th key, and if at most max(256,
+// 2 k) keys lie in that bin or above they are gathered and bitonic-sorted,
+// exact ids breaking ties. Otherwise the range narrows to that bin and the
+// pass repeats (11 more bits each time; one pass is the usual case for
+// scores). Chunks of at most 256 live keys skip the histogram.
 // One pass replaces the 3-4 byte passes plus per-byte barriers of a fixed
 // 8-bit radix select (20 us for 10k scores on H100 with 512 threads).
 template <bool KEYS>
@@ -179,7 +180,7 @@ __global__ void __launch_bounds__(kSelThreads)
       const unsigned long long blo = lo + ((unsigned long long)bin << shift);
       if (above_range + above + inbin <= cap || shift == 0) {
         cut = blo;
-        exact_cut = shift == 0;  // one value: equal keys (empty duplicates only) need capping
+        exact_cut = shift == 0;  // one value: equal keys (repeated explicit ids) need capping
         need -= above;
         break;
       }
