@@ -184,6 +184,15 @@ def test_block_topk_op_matches_reference(ms, device):
             got = ms.ops.block_topk(s, 0, k, ids)
             want = ms.retrieval.encode_keys(s, ids).topk(min(k, n), dim=1).values
             assert torch.equal(got, want), (R, n, k, "ids")
+    # a short row (sorted whole on CUDA) and one whose keys are all equal
+    # (repeated explicit id and score: the CUDA select's capped equal keys)
+    for n, k, same in ((200, 100, False), (10000, 100, True)):
+        s = torch.zeros(1, n) if same else torch.randn(1, n, generator=g)
+        ids = torch.full((1, n), 5) if same else torch.randperm(n, generator=g)[None]
+        s, ids = s.to(device), ids.to(device)
+        got = ms.ops.block_topk(s, 0, k, ids)
+        want = ms.retrieval.encode_keys(s, ids).topk(k, dim=1).values
+        assert torch.equal(got, want), (n, k, same)
 
 
 @pytest.mark.parametrize("dim,lq", [(50, 13), (200, 33), (128, 130)])
