@@ -306,11 +306,11 @@ def test_short_query_streaming_shapes(ms, device, dtype, dim, lq):
 
 @pytest.mark.parametrize("dim", [64, 128])
 def test_one_query_many_documents(ms, device, dtype, dim):
-    """More documents than a GPU keeps warps resident (1056 on an H100), so the
-    CUDA streaming kernel gives each warp a range of documents and prefetches
-    across their boundaries: ragged packed lengths with runs of empty
-    documents (at both ends and inside), a NaN token, token masks on the
-    padded layout, and per-query candidate lists of the same size."""
+    """More documents than a GPU keeps streaming warps resident (1056 on an
+    H100), so the CUDA streaming kernel runs in several waves: ragged packed
+    lengths with runs of empty documents (at both ends and inside), a NaN
+    token, token masks on the padded layout, and per-query candidate lists
+    of the same size."""
     g = torch.Generator().manual_seed(dim)
     nd, ld, lq = 3001, 40, 24
     dlens = torch.randint(0, ld + 1, (nd,), generator=g)
@@ -344,6 +344,7 @@ def test_one_query_many_documents(ms, device, dtype, dim):
     qlen = torch.randint(1, lq + 1, (3,), generator=g)
     Db = torch.nan_to_num(Dd[1:]).view(3, 1000, ld, dim)
     dlb = dlens[1:].view(3, 1000)
-    refb = ms.maxsim_reference(Qb.cpu(), Db.cpu(), lengths_mask(qlen, lq), lengths_mask(dlb.reshape(-1), ld).view(3, 1000, ld))
+    dmb = lengths_mask(dlb.reshape(-1), ld).view(3, 1000, ld)
+    refb = ms.maxsim_reference(Qb.cpu(), Db.cpu(), lengths_mask(qlen, lq), dmb)
     outb = ms.score_candidates_padded(Qb, Db, qlen.to(device), dlb.to(device))
     assert_close(outb.cpu(), refb, dtype)
