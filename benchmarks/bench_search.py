@@ -12,20 +12,14 @@ writes ``bench_results/<gpu>-search.json``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import json
-import os
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-from bench_gpu import graph_ms, load_maxsim as load, peers  # the matrix script's loader, graph timer, peers
+from bench_gpu import graph_ms, load_maxsim as load, peers, write_results  # the matrix script's helpers
 
-ROOT = Path(__file__).resolve().parent.parent
 D = 128
 
 
@@ -94,7 +88,6 @@ def main():
     args = ap.parse_args()
     ms_ = load()
     P = peers()
-    gpu = torch.cuda.get_device_name()
     rows = []
 
     def row(**kw):
@@ -243,20 +236,9 @@ def main():
             gpu_cap_gib=2, gbps=round(gb / (t / 1e3), 1), h2d_gbps=round(bw, 1),
             peak_mib=round(torch.cuda.max_memory_allocated() / 2**20, 1))
 
-    commit = os.environ.get("MAXSIM_COMMIT", "")  # a copied work tree's git HEAD can be stale
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                    cwd=ROOT).stdout.strip()
-        except Exception:  # noqa: BLE001
-            commit = ""
-    meta = {"gpu": gpu, "torch": torch.__version__, "date": datetime.date.today().isoformat(),
-            "commit": commit, "k": k, "dim": D,
-            "timing": ("median of CUDA-event times per call (ms) and per-call time of 5 calls in one "
-                       "CUDA graph (graph ms), one query, inputs resident")}
-    out = Path(args.out) if args.out else ROOT / "bench_results" / (gpu.lower().replace(" ", "-") + "-search.json")
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    print("wrote", out)
+    write_results(rows, args.out, "-search", k=k, dim=D,
+                  timing=("median of CUDA-event times per call (ms) and per-call time of 5 calls in one "
+                          "CUDA graph (graph ms), one query, inputs resident"))
 
 
 if __name__ == "__main__":
