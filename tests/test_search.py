@@ -154,8 +154,8 @@ def test_keys_roundtrip(ms):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_block_topk_op_matches_reference(ms, device):
-    """ops.block_topk (radix select per 12288-key chunk on CUDA for k <
-    1024, then rounds over the chunks' winners; one topk otherwise) equals
+    """ops.block_topk (on CUDA for k < 1024 a binned select per 12288-key
+    chunk, then rounds over the chunks' winners; one topk otherwise) equals
     encode + topk over every key: chunk edges, one to three rounds, ties
     across chunks, continuous scores, NaN / -inf / signed zeros, k = 0,
     k >= n, explicit ids (negative = empty slot)."""
