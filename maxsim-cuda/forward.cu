@@ -7,10 +7,10 @@
 //   * int8 / fp8 e4m3 tokens with per-token scales (forward_quant): the same
 //     tensor-core kernel on m16n8k32 (fp8 needs sm_89+); int8 with >= 128
 //     query rows per tile on sm_90a: the wgmma kernel (k32 steps);
-//   * fp16 / bf16, one query of lq <= 32 against many documents of a few
-//     thousand tokens at most, no argmax (reranking, corpus scans: memory
-//     bound): the register-streaming kernel (forward_stream.cuh), one warp
-//     per document, no shared memory;
+//   * fp16 / bf16 or 8-bit tokens, one query of lq <= 32 against many
+//     documents of a few thousand tokens at most, no argmax (reranking,
+//     corpus scans and searches: memory bound): the register-streaming kernel
+//     (forward_stream.cuh), one warp per document, no shared memory;
 //   * fp32 (exact, default) and whatever the tensor-core kernel cannot take
 //     (odd dim in 16-bit types, rows not 4-byte aligned, a query tile too wide
 //     for shared memory): the FFMA kernel (forward_simt.cuh).
@@ -180,11 +180,15 @@ int occupancy_mma_any(at::ScalarType t, int cfg, bool arg, size_t smem, bool sca
   return occupancy_mma<float>(cfg, arg, smem);
 }
 
-void run_stream_any(at::ScalarType t, const FwdParams& p, int64_t dim, cudaStream_t st) {
+void run_stream_any(at::ScalarType t, const FwdParams& p, cudaStream_t st) {
   if (t == at::kHalf)
-    run_stream<__half>(p, dim, st);
+    run_stream<__half>(p, st);
+  else if (t == at::kBFloat16)
+    run_stream<__nv_bfloat16>(p, st);
+  else if (t == at::kChar)
+    run_stream<int8_t>(p, st);
   else
-    run_stream<__nv_bfloat16>(p, dim, st);
+    run_stream<__nv_fp8_e4m3>(p, st);
 }
 
 void run_simt_any(at::ScalarType t, bool arg, const FwdParams& p, int64_t item0, int64_t n, cudaStream_t st) {
@@ -372,9 +376,9 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
   // tile kernel (H100, padded Rerank / HeavyRerank), which loads a query tile
   // once for several documents; very long documents need the split.
   const int64_t mean_ld = Nd > 0 ? d.size(0) / Nd : 0;  // also sizes the doc splits below
-  if (g_forced_cfg == -1 && !quant && prop->major >= 8 && layout == kCross && Nq == 1 && mean_ld <= 4096 &&
-      stream_shape_ok(dtype, dim, lq, arg, scaled, p)) {
-    run_stream_any(dtype, p, dim, stream);
+  if (g_forced_cfg == -1 && prop->major >= 8 && layout == kCross && Nq == 1 && mean_ld <= 4096 &&
+      stream_shape_ok(dtype, lq, arg, scaled, prop->major * 10 + prop->minor, p)) {
+    run_stream_any(dtype, p, stream);
     return {scores, argmax};
   }
   const size_t smem_optin = prop->sharedMemPerBlockOptin;

@@ -1,17 +1,18 @@
-// Register-streaming forward kernels (forward_stream.cuh) for fp16 and bf16.
+// Register-streaming forward kernels (forward_stream.cuh): fp16 / bf16 and
+// 8-bit tokens with per-token scales.
 #include <ATen/cuda/CUDAContext.h>
 
 #include "forward_stream.cuh"
 
 namespace maxsim {
 namespace cuda_fwd {
-template <>
-void run_stream<__half>(const FwdParams& p, int64_t dim, cudaStream_t st) {
-  run_stream_impl<__half>(p, dim, st);
-}
-template <>
-void run_stream<__nv_bfloat16>(const FwdParams& p, int64_t dim, cudaStream_t st) {
-  run_stream_impl<__nv_bfloat16>(p, dim, st);
-}
+#define MAXSIM_STREAM_INSTANCE(T) \
+  template <>                     \
+  void run_stream<T>(const FwdParams& p, cudaStream_t st) { run_stream_impl<T>(p, st); }
+MAXSIM_STREAM_INSTANCE(__half)
+MAXSIM_STREAM_INSTANCE(__nv_bfloat16)
+MAXSIM_STREAM_INSTANCE(int8_t)
+MAXSIM_STREAM_INSTANCE(__nv_fp8_e4m3)
+#undef MAXSIM_STREAM_INSTANCE
 }  // namespace cuda_fwd
 }  // namespace maxsim

@@ -1,6 +1,8 @@
 // Register-streaming forward for one short query against many documents
-// (fp16 / bf16, lq <= 32, dim in {32, 64, 96, 128}, no argmax, no scales;
-// forward.cu selects it): memory-bound reranking and corpus scans, where the
+// (lq <= 32, rows of 64 / 128 / 192 / 256 bytes: fp16 / bf16 dim 32-128, or
+// int8 / fp8 e4m3 tokens with per-token scales, dim 64-256; no argmax, no
+// `normalize`; forward.cu selects it): memory-bound reranking and corpus
+// scans (search over an 8-bit corpus included), where the
 // tile kernel's shared-memory staging, ldmatrix and barriers only add latency
 // between DRAM and the tensor cores. Any layout works; the host takes it for
 // CROSS with one query only (measured, see forward.cu).
@@ -28,7 +30,11 @@ namespace maxsim {
 namespace cuda_fwd {
 
 constexpr int kStreamWarps = 4;  // warps (pairs) per CTA
-constexpr int kStreamU = 4;      // n tiles (8 tokens each) in flight per warp
+// n tiles (8 tokens each) in flight per warp: 8 KB of 16-bit tokens at dim
+// 128; 8-bit rows of <= 128 bytes keep twice the tiles (same bytes, and the
+// registers of wider 8-bit rows would spill).
+template <typename T, int KS>
+constexpr int kStreamU = kIsQuant<T> && KS <= 4 ? 8 : 4;
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
 #define MAXSIM_STREAM_DEVICE 0
@@ -40,10 +46,12 @@ __device__ __forceinline__ uint32_t u4_word(const uint4& v, int w) {
   return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w;
 }
 
-// KS: k steps (dim / 16); MT: m tiles of 16 query rows (lq <= 16 * MT).
+// KS: k steps (row bytes / 32); MT: m tiles of 16 query rows (lq <= 16 * MT).
 template <typename T, int KS, int MT>
 __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const FwdParams p) {
 #if MAXSIM_STREAM_DEVICE
+  constexpr bool SC = kIsQuant<T>;
+  constexpr int U = kStreamU<T, KS>;
   constexpr int W = KS / 2;  // 16-byte vectors per lane per row
   const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   const int64_t pr = (int64_t)blockIdx.x * kStreamWarps + (threadIdx.x >> 5);
@@ -82,7 +90,8 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
   for (int mt = 0; mt < MT; ++mt) best[mt][0] = best[mt][1] = neg_inf();
   const int ntile = ok ? (dl + 7) / 8 : 0;
   const char* dbase = p.d + (int64_t)ds * rb + lane_off;
-  uint4 buf[kStreamU][W];
+  uint4 buf[U][W];
+  float2 dsc[SC ? U : 1];  // doc-token scales of columns 2c, 2c + 1 (8-bit)
   auto fetch = [&](int t, int u) {
     const int j = t * 8 + g;
     if (t < ntile && j < dl) {
@@ -93,12 +102,19 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
 #pragma unroll
       for (int w = 0; w < W; ++w) buf[u][w] = make_uint4(0, 0, 0, 0);
     }
+    if constexpr (SC) {
+      // Columns past the document are masked below; their scale is never used.
+      const int j0 = t * 8 + 2 * c;
+      const float* sp = p.d_scale + ds + j0;
+      dsc[u].x = t < ntile && j0 < dl ? __ldcs(sp) : 0.f;
+      dsc[u].y = t < ntile && j0 + 1 < dl ? __ldcs(sp + 1) : 0.f;
+    }
   };
 #pragma unroll
-  for (int u = 0; u < kStreamU; ++u) fetch(u, u);
-  for (int t0 = 0; t0 < ntile; t0 += kStreamU) {
+  for (int u = 0; u < U; ++u) fetch(u, u);
+  for (int t0 = 0; t0 < ntile; t0 += U) {
 #pragma unroll
-    for (int u = 0; u < kStreamU; ++u) {
+    for (int u = 0; u < U; ++u) {
       const int t = t0 + u;
       if (t < ntile) {
         float acc[MT][4];
@@ -109,6 +125,12 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
           const uint32_t b[2] = {u4_word(buf[u][s / 2], 2 * (s % 2)), u4_word(buf[u][s / 2], 2 * (s % 2) + 1)};
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt) Mma<T>::run(acc[mt], a[mt][s], b);
+        }
+        if constexpr (SC) {
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mt][e] = Mma<T>::value(acc[mt][e]) * (e & 1 ? dsc[u].y : dsc[u].x);
         }
         // Columns 2c, 2c + 1 of the tile: -inf past the document or masked.
         const int j0 = t * 8 + 2 * c;
@@ -124,7 +146,7 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
             best[mt][h] = max_nan(best[mt][h],
                                   max_nan(v0 ? acc[mt][2 * h] : neg_inf(), v1 ? acc[mt][2 * h + 1] : neg_inf()));
       }
-      fetch(t + kStreamU, u);
+      fetch(t + U, u);
     }
   }
   // Row r = 16 mt + 8 h + g: max over the quad, then to lane r.
@@ -145,23 +167,30 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
     }
   bool use = ok && lane < ql && v != neg_inf();
   if (use && p.q_mask != nullptr) use = p.q_mask[(int64_t)qs + lane];
+  if (SC && use) v *= p.q_scale[(int64_t)qs + lane];
   const float sum = warp_sum(use ? v : 0.f);
   if (lane == 0) p.scores[pr] = ok ? sum : __int_as_float(0x7fc00000);
 #endif
 }
 
-// Whether the streaming kernel takes this forward (host side).
-inline bool stream_shape_ok(at::ScalarType t, int64_t dim, int64_t lq, bool arg, bool scaled, const FwdParams& p) {
-  if (t != at::kHalf && t != at::kBFloat16) return false;
-  if (arg || scaled || lq < 1 || lq > 32) return false;
-  if (dim != 32 && dim != 64 && dim != 96 && dim != 128) return false;
+// Whether the streaming kernel takes this forward (host side). `normalize`d
+// float tokens stay on the tile kernel (it derives the documents' norms from
+// its fragments); fp8 needs sm_89+.
+inline bool stream_shape_ok(at::ScalarType t, int64_t lq, bool arg, bool normalize, int sm, const FwdParams& p) {
+  const bool b16 = t == at::kHalf || t == at::kBFloat16;
+  const bool b8 = t == at::kChar || (t == at::kFloat8_e4m3fn && sm >= 89);
+  if (!(b16 || b8) || arg || normalize || lq < 1 || lq > 32) return false;
+  const int64_t rb = p.row_bytes;
+  if (rb != 64 && rb != 128 && rb != 192 && rb != 256) return false;
+  if (b8 && (p.q_scale == nullptr || p.d_scale == nullptr)) return false;
   return p.row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(p.q) % 16 == 0 &&
          reinterpret_cast<uintptr_t>(p.d) % 16 == 0;
 }
 
-// Defined for __half / __nv_bfloat16 in forward_stream.cu (run_stream_impl).
+// Defined for __half / __nv_bfloat16 / int8_t / __nv_fp8_e4m3 in
+// forward_stream.cu (run_stream_impl).
 template <typename T>
-void run_stream(const FwdParams& p, int64_t dim, cudaStream_t st);
+void run_stream(const FwdParams& p, cudaStream_t st);
 
 template <typename T, int KS>
 void launch_stream(const FwdParams& p, cudaStream_t st) {
@@ -174,13 +203,13 @@ void launch_stream(const FwdParams& p, cudaStream_t st) {
 }
 
 template <typename T>
-void run_stream_impl(const FwdParams& p, int64_t dim, cudaStream_t st) {
-  switch (dim) {
-    case 32: launch_stream<T, 2>(p, st); break;
-    case 64: launch_stream<T, 4>(p, st); break;
-    case 96: launch_stream<T, 6>(p, st); break;
-    case 128: launch_stream<T, 8>(p, st); break;
-    default: TORCH_CHECK(false, "maxsim: streaming kernel: dim ", dim, " not supported");
+void run_stream_impl(const FwdParams& p, cudaStream_t st) {
+  switch (p.row_bytes) {
+    case 64: launch_stream<T, 2>(p, st); break;
+    case 128: launch_stream<T, 4>(p, st); break;
+    case 192: launch_stream<T, 6>(p, st); break;
+    case 256: launch_stream<T, 8>(p, st); break;
+    default: TORCH_CHECK(false, "maxsim: streaming kernel: rows of ", p.row_bytes, " bytes not supported");
   }
 }
 

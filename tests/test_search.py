@@ -281,10 +281,12 @@ def test_quant_op_matches_reference_op(ms):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the tensor-core 8-bit paths need CUDA")
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
-@pytest.mark.parametrize("dim,lq,nq", [(128, 130, 1), (64, 32, 8), (256, 200, 1), (48, 300, 2)])
+@pytest.mark.parametrize("dim,lq,nq", [(128, 130, 1), (64, 32, 8), (256, 200, 1), (48, 300, 2), (128, 32, 1),
+                                       (64, 17, 1), (256, 9, 1)])
 def test_quant_op_tensor_cores_match_reference(ms, kind, dim, lq, nq):
-    """forward_quant on CUDA (mma.sync, and wgmma on sm_90 once a tile holds
-    >= 128 query rows) vs the reference on the dequantised tokens: scores,
+    """forward_quant on CUDA (mma.sync, wgmma on sm_90 once a tile holds >= 128
+    query rows, and the register-streaming kernel for one query of <= 32 rows
+    without argmax) vs the reference on the dequantised tokens: scores,
     argmax, masks, empty and invalid documents, CROSS / GROUPED / LIST."""
     if kind == "fp8" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 tensor cores need sm_89+")
@@ -314,6 +316,8 @@ def test_quant_op_tensor_cores_match_reference(ms, kind, dim, lq, nq):
         torch.testing.assert_close(got[0].double().cpu(), ref[0], rtol=1e-5, atol=1e-4, equal_nan=True)
         ok = ~torch.isnan(ref[0])
         assert torch.equal(got[1].cpu()[ok], ref[1][ok])
+        plain = ms.ops.forward_quant(*args[:-1], 0)[0]  # scores only: the streaming kernel where it applies
+        torch.testing.assert_close(plain.double().cpu(), ref[0], rtol=1e-5, atol=1e-4, equal_nan=True)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned streaming needs CUDA")
@@ -410,22 +414,26 @@ def test_search_cuda_graph_capture(ms, kind):
 
 @pytest.mark.parametrize("dim", [64, 128, 256])
 @pytest.mark.parametrize("lq", [1, 17, 32])
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_int8_one_query_scan_exact(ms, device, dim, lq):
-    """One short query over an int8 corpus (rows of 64 / 128 / 256 bytes):
-    exact against the dequantised fp64 reference, with empty documents,
-    token-mask holes and a query mask."""
+def test_8bit_one_query_scan_exact(ms, device, kind, dim, lq):
+    """One short query over an int8 / fp8 corpus (rows of 64 / 128 / 256
+    bytes; the register-streaming kernel on CUDA): exact against the
+    dequantised fp64 reference, with empty documents, token-mask holes and a
+    query mask."""
+    if kind == "fp8" and device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 tensor cores need sm_89+")
     g = torch.Generator().manual_seed(dim + lq)
     N, L = 260, 41
     D = rand(N, L, dim, device=device, gen=g)
     mask = torch.rand(N, L, generator=g) < 0.85
     mask[4] = False
-    corpus = ms.Corpus(D, mask=mask.to(device), device=device, quantization="int8")
+    corpus = ms.Corpus(D, mask=mask.to(device), device=device, quantization=kind)
     Q = rand(1, lq, dim, device=device, gen=g)
     qmask = torch.rand(1, lq, generator=g) < 0.8
     qmask[0, 0] = True
     s, ids = ms.search(Q, corpus, 40, query_mask=qmask.to(device))
-    qv, qs = ms.quantize_tokens(Q.reshape(-1, dim), "int8")
+    qv, qs = ms.quantize_tokens(Q.reshape(-1, dim), kind)
     deq_q = ms.reference.dequantize(qv.cpu(), qs.cpu(), torch.float64)[:, :dim].reshape(1, lq, dim)
     deq_d = ms.reference.dequantize(corpus.tokens.cpu(), corpus.scales.cpu(), torch.float64)[:, :dim]
     off = torch.arange(N + 1) * L
