@@ -58,8 +58,6 @@ void set_forced_config(int cfg, int splits) {
   g_forced_splits = splits;
 }
 void set_forced_dpc(int dpc) { g_forced_dpc = dpc; }
-int g_stream_minb = 0;  // DEV A/B
-void set_stream_minb(int v) { g_stream_minb = v; }
 
 namespace {
 

@@ -53,8 +53,8 @@ __device__ __forceinline__ uint32_t f8x2_to_h2(uint32_t w) {
 }
 
 // KS: k steps (row bytes / 32); MT: m tiles of 16 query rows (lq <= 16 * MT).
-template <typename T, int KS, int MT, int MINB = 1>
-__global__ void __launch_bounds__(kStreamWarps * 32, MINB) stream_fwd_kernel(const FwdParams p) {
+template <typename T, int KS, int MT>
+__global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const FwdParams p) {
 #if MAXSIM_STREAM_DEVICE
   constexpr bool SC = kIsQuant<T>;
   constexpr int U = kStreamU<T, KS>;
@@ -228,16 +228,11 @@ inline bool stream_shape_ok(at::ScalarType t, int64_t lq, bool arg, bool normali
 template <typename T>
 void run_stream(const FwdParams& p, cudaStream_t st);
 
-extern int g_stream_minb;  // DEV A/B
 template <typename T, int KS>
 void launch_stream(const FwdParams& p, cudaStream_t st) {
   const unsigned blocks = (unsigned)((p.P + kStreamWarps - 1) / kStreamWarps);
   if (p.lq <= 16)
     stream_fwd_kernel<T, KS, 1><<<blocks, kStreamWarps * 32, 0, st>>>(p);
-  else if (g_stream_minb == 3)
-    stream_fwd_kernel<T, KS, 2, 3><<<blocks, kStreamWarps * 32, 0, st>>>(p);
-  else if (g_stream_minb == 4)
-    stream_fwd_kernel<T, KS, 2, 4><<<blocks, kStreamWarps * 32, 0, st>>>(p);
   else
     stream_fwd_kernel<T, KS, 2><<<blocks, kStreamWarps * 32, 0, st>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
