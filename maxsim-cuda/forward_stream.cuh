@@ -219,8 +219,7 @@ inline bool stream_shape_ok(at::ScalarType t, int64_t lq, bool arg, bool normali
   const int64_t rb = p.row_bytes;
   if (rb != 64 && rb != 128 && rb != 192 && rb != 256) return false;
   if (b8 && (p.q_scale == nullptr || p.d_scale == nullptr)) return false;
-  return p.row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(p.q) % 16 == 0 &&
-         reinterpret_cast<uintptr_t>(p.d) % 16 == 0;
+  return reinterpret_cast<uintptr_t>(p.q) % 16 == 0 && reinterpret_cast<uintptr_t>(p.d) % 16 == 0;
 }
 
 // Defined for __half / __nv_bfloat16 / int8_t / __nv_fp8_e4m3 in
