@@ -58,6 +58,14 @@ void set_forced_config(int cfg, int splits) {
   g_forced_splits = splits;
 }
 void set_forced_dpc(int dpc) { g_forced_dpc = dpc; }
+static int g_stream_split = 0;  // streaming kernel warps per pair (0 = heuristic)
+static int g_stream_il = -1;    // interleaved lanes (-1 = heuristic)
+static int g_stream_qsm = -1;   // query staged in shared memory (-1 = heuristic)
+void set_stream_mode(int split, int il, int qsm) {
+  g_stream_split = split;
+  g_stream_il = il;
+  g_stream_qsm = qsm;
+}
 
 namespace {
 
@@ -180,15 +188,15 @@ int occupancy_mma_any(at::ScalarType t, int cfg, bool arg, size_t smem, bool sca
   return occupancy_mma<float>(cfg, arg, smem);
 }
 
-void run_stream_any(at::ScalarType t, const FwdParams& p, cudaStream_t st) {
+void run_stream_any(at::ScalarType t, const FwdParams& p, int64_t mean_ld, int num_sms, cudaStream_t st) {
   if (t == at::kHalf)
-    run_stream<__half>(p, st);
+    run_stream<__half>(p, mean_ld, num_sms, st);
   else if (t == at::kBFloat16)
-    run_stream<__nv_bfloat16>(p, st);
+    run_stream<__nv_bfloat16>(p, mean_ld, num_sms, st);
   else if (t == at::kChar)
-    run_stream<int8_t>(p, st);
+    run_stream<int8_t>(p, mean_ld, num_sms, st);
   else
-    run_stream<__nv_fp8_e4m3>(p, st);
+    run_stream<__nv_fp8_e4m3>(p, mean_ld, num_sms, st);
 }
 
 void run_simt_any(at::ScalarType t, bool arg, const FwdParams& p, int64_t item0, int64_t n, cudaStream_t st) {
@@ -370,15 +378,21 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
 
   // ---- path selection ------------------------------------------------------
   const auto* prop = at::cuda::getCurrentDeviceProperties();
-  // Register streaming: one query against many documents. Several queries
-  // share documents through the tile kernels' query tiles (CROSS), and per-
-  // query candidates (GROUPED) measured 3-9 % slower streamed than on the
-  // tile kernel (H100, padded Rerank / HeavyRerank), which loads a query tile
-  // once for several documents; very long documents need the split.
+  // Register streaming: one query against many documents, and per-query
+  // candidate lists of 16-bit tokens. Several queries share documents
+  // through the tile kernels' query tiles (CROSS). GROUPED measured 3-9 %
+  // slower streamed than on the tile kernel with one warp per pair and the
+  // old lane layout; with whole-sector loads and split pairs it is 0-28 %
+  // faster at lq 32 on H100 (Rerank, the one exception, within 1.5 %; perf
+  // notes, session 11). Very long documents take the tile kernel's splits.
   const int64_t mean_ld = Nd > 0 ? d.size(0) / Nd : 0;  // also sizes the doc splits below
-  if (g_forced_cfg == -1 && prop->major >= 8 && layout == kCross && Nq == 1 && mean_ld <= 4096 &&
+  const bool stream_layout = (layout == kCross && Nq == 1) || (layout == kGrouped && !quant);
+  if (((g_forced_cfg == -1 && stream_layout) || g_forced_cfg == -3) && prop->major >= 8 && mean_ld <= 4096 &&
       stream_shape_ok(dtype, lq, arg, scaled, prop->major * 10 + prop->minor, p)) {
-    run_stream_any(dtype, p, stream);
+    p.stream_split = g_stream_split;
+    p.stream_il = g_stream_il;
+    p.stream_qsm = g_stream_qsm;
+    run_stream_any(dtype, p, mean_ld, prop->multiProcessorCount, stream);
     return {scores, argmax};
   }
   const size_t smem_optin = prop->sharedMemPerBlockOptin;

@@ -8,7 +8,9 @@ namespace maxsim {
 namespace cuda_fwd {
 #define MAXSIM_STREAM_INSTANCE(T) \
   template <>                     \
-  void run_stream<T>(const FwdParams& p, cudaStream_t st) { run_stream_impl<T>(p, st); }
+  void run_stream<T>(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st) { \
+    run_stream_impl<T>(p, mean_ld, num_sms, st);                                  \
+  }
 MAXSIM_STREAM_INSTANCE(__half)
 MAXSIM_STREAM_INSTANCE(__nv_bfloat16)
 MAXSIM_STREAM_INSTANCE(int8_t)

@@ -5,20 +5,25 @@
 // scans (search over an 8-bit corpus included), where the
 // tile kernel's shared-memory staging, ldmatrix and barriers only add latency
 // between DRAM and the tensor cores. Any layout works; the host takes it for
-// CROSS with one query only (measured, see forward.cu).
+// CROSS with one query and for 16-bit GROUPED candidates (measured, see
+// forward.cu).
 //
-// One warp per pair, no shared memory. The query's A fragments stay in
-// registers; document tokens are loaded straight into B fragments, 8 tokens
-// (one m16n8k16 n tile) per step, U steps in flight. The trick that makes
-// the loads coalesced 16-byte vectors: a dot product does not care about
-// the order of k, so lane (g, c) (g = lane / 4, c = lane % 4) loads the
-// contiguous dims [c * dim / 4, (c + 1) * dim / 4) of token g of the step,
-// and k step s uses its words 2s and 2s + 1 as {b0b1, b2b3}. The query rows'
-// A fragments are built from the same dims in the same order (row g and
-// g + 8: words 2s -> {a0a1, a2a3}, 2s + 1 -> {a4a5, a6a7}), so every product
-// pairs the same dim of query and document. fp32 accumulation as elsewhere;
-// row maxima in registers, reduced over the quad and summed over rows with
-// the same masking rules and row-sum order as finish_tile (common.cuh).
+// One warp per pair, or S = 2 / 4 warps per pair each taking a contiguous
+// range of the document's tiles (row maxima combined through shared memory;
+// max is order-free, so every S gives the same bits). The query's A
+// fragments stay in registers; document tokens are loaded straight into B
+// fragments, 8 tokens (one m16n8k16 n tile) per step, U steps in flight.
+// The trick that makes the loads coalesced 16-byte vectors: a dot product
+// does not care about the order of k, so lane (g, c) (g = lane / 4,
+// c = lane % 4) takes W = row bytes / 64 vectors of token g of the step --
+// vectors 4w + c (16-bit rows: in each load the quad reads 64 contiguous
+// bytes, whole sectors) or c * W + w (8-bit rows) -- and k step s uses its
+// words 2s and 2s + 1 as {b0b1, b2b3}. The query rows' A fragments are
+// built from the same vectors in the same order (row g and g + 8: words
+// 2s -> {a0a1, a2a3}, 2s + 1 -> {a4a5, a6a7}), so every product pairs the
+// same dim of query and document. fp32 accumulation as elsewhere; row
+// maxima in registers, reduced over the quad and summed over rows with the
+// same masking rules and row-sum order as finish_tile (common.cuh).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -59,17 +64,72 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
   constexpr bool SC = kIsQuant<T>;
   constexpr int U = kStreamU<T, KS>;
   constexpr int W = KS / 2;  // 16-byte vectors per lane per row
-  const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-  const int64_t pr = (int64_t)blockIdx.x * kStreamWarps + (threadIdx.x >> 5);
-  if (pr >= p.P) return;  // warp-uniform
-  int64_t n, dn;
-  pair_ids(p, pr, n, dn);
-  int qs, ql, ds, dl;
-  const bool qok = query_ok(p, n, qs, ql);
-  const bool ok = doc_ok(p, dn, ds, dl) && qok;
+  const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, warp = threadIdx.x >> 5;
+  const int SP = p.stream_split;  // warps per pair: 1, 2 or 4
+  const int part = warp & (SP - 1);
+  const int64_t pr = (int64_t)blockIdx.x * (kStreamWarps / SP) + warp / SP;
+  const bool live = pr < p.P;
+  // Warps past the last pair stay to the end: the CTA meets at barriers.
+  int64_t n = 0, dn = 0;
+  if (live) pair_ids(p, pr, n, dn);
+  int qs = 0, ql = 0, ds = 0, dl = 0;
+  const bool qok = live && query_ok(p, n, qs, ql);
+  const bool ok = live && doc_ok(p, dn, ds, dl) && qok;
   const int64_t rb = p.row_bytes;
-  const int lane_off = c * W * 16;
+  // Interleaved: in load w, the quad's four lanes read 64 contiguous bytes
+  // (vector 4w + c), so every 32-byte sector of a request is whole.
+  const bool il = p.stream_il != 0;
+  const int lane_off = il ? c * 16 : c * W * 16;
+  const int vs = il ? 4 : 1;  // stride between a lane's vectors, in uint4
 
+  float best[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) best[mt][0] = best[mt][1] = neg_inf();
+  const int ntile = ok ? (dl + 7) / 8 : 0;
+  // This warp's contiguous range of the pair's tiles.
+  const int tchunk = (ntile + SP - 1) / SP;
+  const int tb = min(ntile, part * tchunk), te = min(ntile, tb + tchunk);
+  const char* dbase = p.d + (int64_t)ds * rb + lane_off;
+  uint4 buf[U][W];
+  float2 dsc[SC ? U : 1];  // doc-token scales of columns 2c, 2c + 1 (8-bit)
+  auto fetch = [&](int t, int u) {
+    const int j = t * 8 + g;
+    if (t < te && j < dl) {
+      const uint4* src = reinterpret_cast<const uint4*>(dbase + (int64_t)j * rb);
+#pragma unroll
+      for (int w = 0; w < W; ++w) buf[u][w] = __ldcs(src + w * vs);  // streamed once: evict first
+    } else {
+#pragma unroll
+      for (int w = 0; w < W; ++w) buf[u][w] = make_uint4(0, 0, 0, 0);
+    }
+    if constexpr (SC) {
+      // Columns past the document are masked below; their scale is never used.
+      const int j0 = t * 8 + 2 * c;
+      const float* sp = p.d_scale + ds + j0;
+      dsc[u].x = t < te && j0 < dl ? __ldcs(sp) : 0.f;
+      dsc[u].y = t < te && j0 + 1 < dl ? __ldcs(sp + 1) : 0.f;
+    }
+  };
+#pragma unroll
+  for (int u = 0; u < U; ++u) fetch(tb + u, u);
+
+  // The query rows: staged once per CTA in shared memory when the CTA's
+  // warps share the query of its first pair (one query against many
+  // documents, GROUPED candidates), else read by each warp. The documents'
+  // first tiles are already in flight.
+  __shared__ uint4 qsh[32 * 256 / 16];
+  bool from_sh = false;
+  if (p.stream_qsm) {
+    int64_t n0, dn0;
+    pair_ids(p, (int64_t)blockIdx.x * (kStreamWarps / SP), n0, dn0);
+    int qs0, ql0;
+    if (query_ok(p, n0, qs0, ql0)) {
+      const uint4* src = reinterpret_cast<const uint4*>(p.q + (int64_t)qs0 * rb);
+      for (int x = threadIdx.x; x < ql0 * (int)(rb / 16); x += kStreamWarps * 32) qsh[x] = __ldg(src + x);
+      from_sh = ok && n == n0;
+    }
+    __syncthreads();
+  }
   uint32_t a[MT][KS][4];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
@@ -80,9 +140,15 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
 #pragma unroll
       for (int w = 0; w < W; ++w) seg[w] = make_uint4(0, 0, 0, 0);
       if (ok && i < ql) {
-        const uint4* src = reinterpret_cast<const uint4*>(p.q + ((int64_t)qs + i) * rb + lane_off);
+        if (from_sh) {
+          const uint4* src = qsh + (i * rb + lane_off) / 16;
 #pragma unroll
-        for (int w = 0; w < W; ++w) seg[w] = __ldg(src + w);
+          for (int w = 0; w < W; ++w) seg[w] = src[w * vs];
+        } else {
+          const uint4* src = reinterpret_cast<const uint4*>(p.q + ((int64_t)qs + i) * rb + lane_off);
+#pragma unroll
+          for (int w = 0; w < W; ++w) seg[w] = __ldg(src + w * vs);
+        }
       }
 #pragma unroll
       for (int s = 0; s < KS; ++s) {
@@ -112,38 +178,11 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
         }
   }
 
-  float best[MT][2];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) best[mt][0] = best[mt][1] = neg_inf();
-  const int ntile = ok ? (dl + 7) / 8 : 0;
-  const char* dbase = p.d + (int64_t)ds * rb + lane_off;
-  uint4 buf[U][W];
-  float2 dsc[SC ? U : 1];  // doc-token scales of columns 2c, 2c + 1 (8-bit)
-  auto fetch = [&](int t, int u) {
-    const int j = t * 8 + g;
-    if (t < ntile && j < dl) {
-      const uint4* src = reinterpret_cast<const uint4*>(dbase + (int64_t)j * rb);
-#pragma unroll
-      for (int w = 0; w < W; ++w) buf[u][w] = __ldcs(src + w);  // streamed once: evict first
-    } else {
-#pragma unroll
-      for (int w = 0; w < W; ++w) buf[u][w] = make_uint4(0, 0, 0, 0);
-    }
-    if constexpr (SC) {
-      // Columns past the document are masked below; their scale is never used.
-      const int j0 = t * 8 + 2 * c;
-      const float* sp = p.d_scale + ds + j0;
-      dsc[u].x = t < ntile && j0 < dl ? __ldcs(sp) : 0.f;
-      dsc[u].y = t < ntile && j0 + 1 < dl ? __ldcs(sp + 1) : 0.f;
-    }
-  };
-#pragma unroll
-  for (int u = 0; u < U; ++u) fetch(u, u);
-  for (int t0 = 0; t0 < ntile; t0 += U) {
+  for (int t0 = tb; t0 < te; t0 += U) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int t = t0 + u;
-      if (t < ntile) {
+      if (t < te) {
         float acc[MT][4];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.f;
@@ -193,6 +232,21 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
       best[mt][h] = max_nan(best[mt][h], __shfl_xor_sync(0xffffffffu, best[mt][h], 1));
       best[mt][h] = max_nan(best[mt][h], __shfl_xor_sync(0xffffffffu, best[mt][h], 2));
     }
+  if (SP > 1) {  // the pair's warps combine their row maxima (max is order-free)
+    __shared__ float red[kStreamWarps][32];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        if (c == 0) red[warp][16 * mt + 8 * h + g] = best[mt][h];
+    __syncthreads();
+    if (part != 0 || !live) return;
+    for (int o = 1; o < SP; ++o)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) best[mt][h] = max_nan(best[mt][h], red[warp + o][16 * mt + 8 * h + g]);
+  }
   float v = neg_inf();
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
@@ -205,7 +259,7 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
   if (use && p.q_mask != nullptr) use = p.q_mask[(int64_t)qs + lane];
   if (SC && use) v *= p.q_scale[(int64_t)qs + lane];
   const float sum = warp_sum(use ? v : 0.f);
-  if (lane == 0) p.scores[pr] = ok ? sum : __int_as_float(0x7fc00000);
+  if (lane == 0 && live) p.scores[pr] = ok ? sum : __int_as_float(0x7fc00000);
 #endif
 }
 
@@ -223,27 +277,63 @@ inline bool stream_shape_ok(at::ScalarType t, int64_t lq, bool arg, bool normali
 }
 
 // Defined for __half / __nv_bfloat16 / int8_t / __nv_fp8_e4m3 in
-// forward_stream.cu (run_stream_impl).
+// forward_stream.cu (run_stream_impl). mean_ld: tokens per document, for
+// the split heuristic.
 template <typename T>
-void run_stream(const FwdParams& p, cudaStream_t st);
+void run_stream(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st);
 
-template <typename T, int KS>
-void launch_stream(const FwdParams& p, cudaStream_t st) {
-  const unsigned blocks = (unsigned)((p.P + kStreamWarps - 1) / kStreamWarps);
-  if (p.lq <= 16)
-    stream_fwd_kernel<T, KS, 1><<<blocks, kStreamWarps * 32, 0, st>>>(p);
-  else
-    stream_fwd_kernel<T, KS, 2><<<blocks, kStreamWarps * 32, 0, st>>>(p);
+// Warps per pair, lane layout and query staging (fields left <= 0 / < 0 by
+// the caller are chosen here). Measured on H100 (bf16, lq 32, d 128; perf
+// notes, session 11): a pair split over S warps shortens each warp's chain
+// of dependent loads and the last wave's tail, but costs a query load per
+// warp and, while the S = 1 grid fits in one wave, pushes it into more.
+// Best: one wave at S = 1 -> split only documents of >= 64 tiles (S = 4);
+// several waves -> the largest S leaving >= 11 tiles per warp. 8-bit rows
+// measured no gain from any of the three (search-10k), so they keep S = 1.
+template <typename T, int KS, int MT>
+void launch_stream_mt(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st) {
+  auto kern = stream_fwd_kernel<T, KS, MT>;
+  constexpr bool b16 = !kIsQuant<T>;
+  if (p.stream_split <= 0) {
+    static const int per_sm = [&] {
+      int b = 0;
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kern, kStreamWarps * 32, 0));
+      return std::max(b, 1);
+    }();
+    const int64_t slots = (int64_t)per_sm * kStreamWarps * num_sms;
+    const int64_t ntile = (mean_ld + 7) / 8;
+    int S = 1;
+    if (b16) {
+      if (p.P <= slots)
+        S = ntile >= 64 ? 4 : 1;
+      else
+        S = ntile >= 44 ? 4 : ntile >= 22 ? 2 : 1;
+    }
+    p.stream_split = S;
+  }
+  if (p.stream_split != 2 && p.stream_split != 4) p.stream_split = 1;
+  if (p.stream_il < 0) p.stream_il = b16 ? 1 : 0;
+  if (p.stream_qsm < 0) p.stream_qsm = p.stream_split >= 4 ? 1 : 0;
+  const unsigned blocks = (unsigned)((p.P * p.stream_split + kStreamWarps - 1) / kStreamWarps);
+  kern<<<blocks, kStreamWarps * 32, 0, st>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+template <typename T, int KS>
+void launch_stream(const FwdParams& p, int64_t mean_ld, int num_sms, cudaStream_t st) {
+  if (p.lq <= 16)
+    launch_stream_mt<T, KS, 1>(p, mean_ld, num_sms, st);
+  else
+    launch_stream_mt<T, KS, 2>(p, mean_ld, num_sms, st);
+}
+
 template <typename T>
-void run_stream_impl(const FwdParams& p, cudaStream_t st) {
+void run_stream_impl(const FwdParams& p, int64_t mean_ld, int num_sms, cudaStream_t st) {
   switch (p.row_bytes) {
-    case 64: launch_stream<T, 2>(p, st); break;
-    case 128: launch_stream<T, 4>(p, st); break;
-    case 192: launch_stream<T, 6>(p, st); break;
-    case 256: launch_stream<T, 8>(p, st); break;
+    case 64: launch_stream<T, 2>(p, mean_ld, num_sms, st); break;
+    case 128: launch_stream<T, 4>(p, mean_ld, num_sms, st); break;
+    case 192: launch_stream<T, 6>(p, mean_ld, num_sms, st); break;
+    case 256: launch_stream<T, 8>(p, mean_ld, num_sms, st); break;
     default: TORCH_CHECK(false, "maxsim: streaming kernel: rows of ", p.row_bytes, " bytes not supported");
   }
 }

@@ -348,3 +348,55 @@ def test_one_query_many_documents(ms, device, dtype, dim):
     refb = ms.maxsim_reference(Qb.cpu(), Db.cpu(), lengths_mask(qlen, lq), dmb)
     outb = ms.score_candidates_padded(Qb, Db, qlen.to(device), dlb.to(device))
     assert_close(outb.cpu(), refb, dtype)
+
+
+@pytest.mark.parametrize("case", ["one-query-long", "grouped-2", "grouped-4"])
+def test_streaming_split_pairs(ms, device, case):
+    """Shapes where the CUDA streaming kernel splits each pair over 2 or 4
+    warps (tile ranges, row maxima combined in shared memory; H100
+    heuristic): one query against long documents (fits one wave: S = 4),
+    and per-query candidates in several waves (S = 2 for ~25 tiles of 8
+    tokens, S = 4 for ~50). Ragged lengths and mask holes put a document's
+    end inside any warp's range or before it (empty ranges); a NaN token in
+    a late range must reach the score; 16-bit, lq 17 / 32 (two m tiles,
+    the second partial)."""
+    if device != "cuda":
+        pytest.skip("CUDA heuristic shapes (the CPU kernel is covered elsewhere)")
+    dtype = torch.bfloat16
+    g = torch.Generator().manual_seed({"one-query-long": 1, "grouped-2": 2, "grouped-4": 3}[case])
+    dim = 128
+    if case == "one-query-long":
+        nq, k, lq, ld = 1, 60, 17, 1100
+    elif case == "grouped-2":
+        nq, k, lq, ld = 20, 100, 32, 200
+    else:
+        nq, k, lq, ld = 4, 500, 32, 400
+    Q = rand(nq, lq, dim, dtype=dtype, gen=g)
+    D = rand(nq, k, ld, dim, dtype=dtype, gen=g)
+    dlen = torch.randint(0, ld + 1, (nq, k), generator=g)
+    dlen[0, :3] = torch.tensor([0, 1, ld])
+    dm = lengths_mask(dlen.reshape(-1), ld).view(nq, k, ld) & (torch.rand(nq, k, ld, generator=g) > 0.1)
+    dm[0, 4] = False  # no valid token: score 0
+    dlen[0, 5] = ld
+    dm[0, 5] = True
+    D[0, 5, ld - 3, 7] = float("nan")  # late token of a full-length doc: NaN score
+    qlen = torch.randint(1, lq + 1, (nq,), generator=g)
+    qm = lengths_mask(qlen, lq)
+    ref = ms.maxsim_reference(Q, D, qm, dm)
+    Qd, Dd = Q.to(device), D.to(device)
+    if case == "one-query-long":
+        out = ms.maxsim(Qd, Dd[0], qm.to(device), dm[0].to(device)).view(1, k)
+    else:
+        out = ms.maxsim(Qd, Dd, qm.to(device), dm.to(device))
+    out = out.cpu()
+    assert torch.isnan(out[0, 5]) and torch.isnan(ref[0, 5])
+    assert out[0, 4] == 0
+    keep = torch.ones(nq, k, dtype=torch.bool)
+    keep[0, 5] = False
+    assert_close(out[keep], ref[keep], dtype)
+    # lengths instead of masks (the packed bounds, no mask reads)
+    if case != "one-query-long":
+        Dn = torch.nan_to_num(D)
+        ref2 = ms.maxsim_reference(Q, Dn, qm, lengths_mask(dlen.reshape(-1), ld).view(nq, k, ld))
+        out2 = ms.score_candidates_padded(Qd, Dn.to(device), qlen.to(device), dlen.to(device))
+        assert_close(out2.cpu(), ref2, dtype)
