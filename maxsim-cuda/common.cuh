@@ -56,7 +56,8 @@ struct FwdParams {
   // query tile is the same for all of them. cpg = ceil(gsz / dpc).
   int dpc;
   int64_t gsz, cpg;
-  // Streaming kernel: warps per pair (1, 2, 4) and the interleaved lane layout.
+  // Streaming kernel: warps per pair (1, 2, 4), the whole-sector lane layout
+  // and the per-CTA query staging (<= 0 / < 0: the launcher's heuristic).
   int stream_split, stream_il, stream_qsm;
   // Outputs.
   float* scores;

@@ -48,7 +48,8 @@ namespace maxsim {
 namespace cuda_fwd {
 
 // Developer hook (benchmark harness only): force a tensor-core configuration
-// (0..kNumMmaCfgs-1), -2 forces the SIMT kernel, -1 = heuristic. Also a
+// (0..kNumMmaCfgs-1), -2 forces the SIMT kernel, -3 the streaming kernel for
+// any layout it can take, -1 = heuristic. Also a
 // forced doc split count (0 = heuristic).
 static int g_forced_cfg = -1;
 static int g_forced_splits = 0;
