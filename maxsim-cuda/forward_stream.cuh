@@ -328,12 +328,12 @@ void launch_stream_mt(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st
     p.stream_split = S;
   }
   if (p.stream_split != 2 && p.stream_split != 4) p.stream_split = 1;
-  if ((p.P * p.stream_split + kStreamWarps - 1) / kStreamWarps > INT32_MAX) p.stream_split = 1;
-  TORCH_CHECK((p.P + kStreamWarps - 1) / kStreamWarps <= INT32_MAX, "maxsim: too many pairs (", p.P, ") for one launch");
+  const auto blocks = [&] { return (p.P * p.stream_split + kStreamWarps - 1) / kStreamWarps; };
+  if (blocks() > INT32_MAX) p.stream_split = 1;
+  TORCH_CHECK(blocks() <= INT32_MAX, "maxsim: too many pairs (", p.P, ") for one launch");
   if (p.stream_il < 0) p.stream_il = b16 ? 1 : 0;
   if (p.stream_qsm < 0) p.stream_qsm = p.stream_split >= 4 ? 1 : 0;
-  const unsigned blocks = (unsigned)((p.P * p.stream_split + kStreamWarps - 1) / kStreamWarps);
-  kern<<<blocks, kStreamWarps * 32, 0, st>>>(p);
+  kern<<<(unsigned)blocks(), kStreamWarps * 32, 0, st>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
