@@ -282,12 +282,14 @@ def test_quant_op_matches_reference_op(ms):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the tensor-core 8-bit paths need CUDA")
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 @pytest.mark.parametrize("dim,lq,nq", [(128, 130, 1), (64, 32, 8), (256, 200, 1), (48, 300, 2), (128, 32, 1),
-                                       (64, 17, 1), (256, 9, 1)])
+                                       (64, 17, 1), (256, 9, 1), (128, 520, 1)])
 def test_quant_op_tensor_cores_match_reference(ms, kind, dim, lq, nq):
     """forward_quant on CUDA (mma.sync, wgmma on sm_90 once a tile holds >= 128
     query rows, and the register-streaming kernel for one query of <= 32 rows
-    without argmax) vs the reference on the dequantised tokens: scores,
-    argmax, masks, empty and invalid documents, CROSS / GROUPED / LIST."""
+    without argmax; fp8 scores of >= 512 query rows per token on sm_90 go
+    through tokens widened to f16) vs the reference on the dequantised
+    tokens: scores, argmax, masks, empty and invalid documents, CROSS /
+    GROUPED / LIST."""
     if kind == "fp8" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 tensor cores need sm_89+")
     g = torch.Generator().manual_seed(23)
