@@ -541,16 +541,19 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
   return {scores, argmax};
 }
 
+at::Tensor widen_e4m3(const at::Tensor& x);  // widen_e4m3.cu
+
+// Developer hook (benchmark harness only): fp8 widening, -1 heuristic,
+// 0 never, 1 wherever the wgmma kernel can take the problem.
+static int g_fp8_widen = -1;
+void set_fp8_widen(int mode) { g_fp8_widen = mode; }
+
 // fp8 tokens on sm_90, where the wgmma kernel would take the problem (>= 128
 // query rows per tile, scores only): e4m3 values are exact in f16, so both
 // sides are widened once (a transient f16 copy, twice the fp8 bytes) and
 // scored by the scaled f16 wgmma kernel with the same per-token scales --
 // fp8 wgmma itself accumulates below fp32 (forward_wgmma.cuh), and the e4m3
 // mma.sync tile kernel ran ColPali-sized scans at 2.5x the bf16 time.
-at::Tensor widen_e4m3(const at::Tensor& x);  // widen_e4m3.cu
-
-static int g_fp8_widen = -1;  // developer hook: -1 heuristic, 0 never, 1 wherever it applies
-void set_fp8_widen(int mode) { g_fp8_widen = mode; }
 bool fp8_widen_ok(const at::Tensor& q, const at::Tensor& d, int64_t Nq, int64_t layout, int64_t lq,
                   int64_t argmax_kind) {
   if (g_fp8_widen == 0) return false;
@@ -563,7 +566,7 @@ bool fp8_widen_ok(const at::Tensor& q, const at::Tensor& d, int64_t Nq, int64_t 
   if (d.size(0) <= 0 || d.size(0) >= ((int64_t)1 << 31) || q.size(0) >= ((int64_t)1 << 31)) return false;
   // The widening pass costs ~1 / 3 of a 16-bit copy of the tokens; the tile
   // kernel's time grows with the query rows each token meets (H100, d 128:
-  // break-even near 256 rows, 1024 rows 10.4 -> ~6 ms at 10k documents).
+  // break-even near 256 rows; 1024 rows x 10k documents 10.4 -> 6.8 ms).
   const int64_t rows = layout == kCross ? Nq * lq : lq;
   if (g_fp8_widen < 0 && rows < 512) return false;
   return std::min<int64_t>(rows, kWgBM) >= kWgBM && wg_encode_fn() != nullptr &&
