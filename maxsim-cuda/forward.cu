@@ -547,6 +547,7 @@ at::Tensor widen_e4m3(const at::Tensor& x);  // widen_e4m3.cu
 // 0 never, 1 wherever the wgmma kernel can take the problem.
 static int g_fp8_widen = -1;
 void set_fp8_widen(int mode) { g_fp8_widen = mode; }
+constexpr int64_t kWidenMaxBytes = (int64_t)4 << 30;  // f16 bytes of widened documents per call
 
 // fp8 tokens on sm_90, where the wgmma kernel would take the problem (>= 128
 // query rows per tile, scores only): e4m3 values are exact in f16, so both
@@ -564,6 +565,10 @@ bool fp8_widen_ok(const at::Tensor& q, const at::Tensor& d, int64_t Nq, int64_t 
   const int64_t dim = q.size(1), rb = dim * 2;
   if (rb < 16 || rb > 256 || rb % 16 != 0) return false;
   if (d.size(0) <= 0 || d.size(0) >= ((int64_t)1 << 31) || q.size(0) >= ((int64_t)1 << 31)) return false;
+  // The transient copy is capped (a resident fp8 corpus is scanned in one
+  // call): larger scans keep the tile kernel rather than risk running out of
+  // memory.
+  if (d.numel() * 2 > kWidenMaxBytes) return false;
   // The widening pass costs ~1 / 3 of a 16-bit copy of the tokens; the tile
   // kernel's time grows with the query rows each token meets (H100, d 128:
   // break-even near 256 rows; 1024 rows x 10k documents 10.4 -> 6.8 ms).
