@@ -253,6 +253,11 @@ void check_index(const at::Tensor& t, const char* name) {
 
 }  // namespace
 
+// Query rows each document token meets (one wgmma M tile holds kWgBM).
+inline int64_t query_rows_per_token(int64_t layout, int64_t Nq, int64_t lq) {
+  return layout == kCross ? Nq * lq : lq;
+}
+
 std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at::Tensor* q_scale,
                                                 const at::Tensor& q_start, const at::Tensor& q_len,
                                                 const std::optional<at::Tensor>& q_mask, const at::Tensor& d_in,
@@ -439,7 +444,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
   if (g_forced_cfg == -2 && !quant) use_mma = false;
   TORCH_CHECK(use_mma || !quant, "maxsim: quantized query tile of dim ", dim, " does not fit in shared memory");
   // sm_90a wgmma + TMA kernel when its 128-row M tile is (nearly) full.
-  const int64_t wg_rows = layout == kCross ? std::min<int64_t>(Nq * lq, kWgBM) : std::min<int64_t>(lq, kWgBM);
+  const int64_t wg_rows = std::min<int64_t>(query_rows_per_token(layout, Nq, lq), kWgBM);
   const bool use_wg = use_mma && dtype != at::kFloat && g_forced_cfg < 0 && prop->major == 9 &&
                       wg_rows >= kWgBM && wgmma_shape_ok(p, dim, esz) && wgmma_ready_any(dtype, dim, arg, scaled);
   TORCH_CHECK(!given_scales || lq == 0 || use_wg, "maxsim: internal: given scales need the wgmma path");
@@ -560,11 +565,8 @@ bool fp8_widen_ok(const at::Tensor& q, const at::Tensor& d, int64_t Nq, int64_t 
   if (g_fp8_widen == 0) return false;
   if (q.scalar_type() != at::kFloat8_e4m3fn || !q.is_cuda() || argmax_kind != 0 || g_forced_cfg >= 0) return false;
   if (q.dim() != 2 || d.dim() != 2 || q.size(1) != d.size(1) || lq <= 0) return false;
-  const auto* prop = at::cuda::getCurrentDeviceProperties();
-  if (prop->major != 9 || prop->minor != 0) return false;
-  const int64_t dim = q.size(1), rb = dim * 2;
-  if (rb < 16 || rb > 256 || rb % 16 != 0) return false;
-  if (d.size(0) <= 0 || d.size(0) >= ((int64_t)1 << 31) || q.size(0) >= ((int64_t)1 << 31)) return false;
+  const int64_t dim = q.size(1);
+  if (!wgmma_rows_ok(dim, 2, q.size(0), d.size(0))) return false;  // as f16 rows
   // The transient copy is capped (a resident fp8 corpus is scanned in one
   // call): larger scans keep the tile kernel rather than risk running out of
   // memory.
@@ -572,10 +574,9 @@ bool fp8_widen_ok(const at::Tensor& q, const at::Tensor& d, int64_t Nq, int64_t 
   // The widening pass costs ~1 / 3 of a 16-bit copy of the tokens; the tile
   // kernel's time grows with the query rows each token meets (H100, d 128:
   // break-even near 256 rows; 1024 rows x 10k documents 10.4 -> 6.8 ms).
-  const int64_t rows = layout == kCross ? Nq * lq : lq;
+  const int64_t rows = query_rows_per_token(layout, Nq, lq);
   if (g_fp8_widen < 0 && rows < 512) return false;
-  return std::min<int64_t>(rows, kWgBM) >= kWgBM && wg_encode_fn() != nullptr &&
-         run_wgmma_scaled_available<__half>(dim, false);
+  return rows >= kWgBM && run_wgmma_scaled_available<__half>(dim, false);  // sm_90 only
 }
 
 }  // namespace cuda_fwd

@@ -817,15 +817,19 @@ inline PFN_cuTensorMapEncodeTiled_v12000 wg_encode_fn() {
 }
 
 // Whether the wgmma path can take this problem (host-side shape / alignment
-// checks; the device and build checks are in wgmma_available<T>).
-inline bool wgmma_shape_ok(const FwdParams& p, int64_t dim, int64_t esz) {
+// checks; the device and build checks are in wgmma_available<T>). The row
+// size and row count part alone is also asked before fp8 tokens are widened.
+inline bool wgmma_rows_ok(int64_t dim, int64_t esz, int64_t Tq, int64_t Td) {
   const int64_t rb = dim * esz;  // 16..256 bytes, a multiple of 16 (TMA strides, 32-byte k steps)
   if ((esz != 2 && esz != 1) || rb < 16 || rb > 2 * 128 || rb % 16 != 0) return false;
+  if (Td <= 0 || Td >= ((int64_t)1 << 31) || Tq >= ((int64_t)1 << 31)) return false;  // 32-bit row ids
+  return wg_encode_fn() != nullptr;
+}
+inline bool wgmma_shape_ok(const FwdParams& p, int64_t dim, int64_t esz) {
   if (reinterpret_cast<uintptr_t>(p.q) % 16 != 0 || reinterpret_cast<uintptr_t>(p.d) % 16 != 0) return false;
   // 8-bit tokens: their scales go through a 1-D tensor map (16-byte aligned base).
   if (esz == 1 && (p.d_scale == nullptr || reinterpret_cast<uintptr_t>(p.d_scale) % 16 != 0)) return false;
-  if (p.Td <= 0 || p.Td >= ((int64_t)1 << 31) || p.Tq >= ((int64_t)1 << 31)) return false;  // 32-bit row ids
-  return wg_encode_fn() != nullptr;
+  return wgmma_rows_ok(dim, esz, p.Tq, p.Td);
 }
 
 template <typename T, int NKB, bool ARG, bool SC>
