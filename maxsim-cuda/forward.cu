@@ -5,8 +5,9 @@
 //     (forward_mma.cuh), one of a few tile configurations chosen from lq, the
 //     layout and the number of queries (see choose_mma_cfg);
 //   * int8 / fp8 e4m3 tokens with per-token scales (forward_quant): the same
-//     tensor-core kernel on m16n8k32 (fp8 needs sm_89+); int8 with >= 128
-//     query rows per tile on sm_90a: the wgmma kernel (k32 steps);
+//     tensor-core kernel on m16n8k32 (fp8 needs sm_89+); int8, and fp8 rows
+//     of <= 128 bytes, with >= 128 query rows per tile on sm_90a: the wgmma
+//     kernel (k32 steps; fp8 accumulation there: see forward_wgmma.cuh);
 //   * fp16 / bf16 or 8-bit tokens, one query of lq <= 32 against many
 //     documents of a few thousand tokens at most, no argmax (reranking,
 //     corpus scans and searches: memory bound): the register-streaming kernel
@@ -156,7 +157,8 @@ bool wgmma_ready_any(at::ScalarType t, int64_t dim, bool arg, bool scaled) {
   if (t == at::kHalf) return run_wgmma_available<__half>(dim, arg);
   if (t == at::kBFloat16) return run_wgmma_available<__nv_bfloat16>(dim, arg);
   if (t == at::kChar) return run_wgmma_available<int8_t>(dim, arg);
-  return false;  // fp8: see forward_wgmma.cuh (accumulation below fp32)
+  if (t == at::kFloat8_e4m3fn) return run_wgmma_available<__nv_fp8_e4m3>(dim, arg);
+  return false;
 }
 
 void run_wgmma_any(at::ScalarType t, bool arg, const FwdParams& p, int64_t dim, int64_t item0, int64_t n,
@@ -172,6 +174,8 @@ void run_wgmma_any(at::ScalarType t, bool arg, const FwdParams& p, int64_t dim, 
     run_wgmma<__half>(arg, p, dim, item0, n, num_sms, st);
   else if (t == at::kChar)
     run_wgmma<int8_t>(arg, p, dim, item0, n, num_sms, st);
+  else if (t == at::kFloat8_e4m3fn)
+    run_wgmma<__nv_fp8_e4m3>(arg, p, dim, item0, n, num_sms, st);
   else
     run_wgmma<__nv_bfloat16>(arg, p, dim, item0, n, num_sms, st);
 }
@@ -265,19 +269,15 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
                                                 const at::Tensor& d_len, const std::optional<at::Tensor>& d_mask,
                                                 const std::optional<at::Tensor>& pair_q,
                                                 const std::optional<at::Tensor>& pair_d, int64_t layout, int64_t lq,
-                                                int64_t argmax_kind, bool tf32, bool normalize,
-                                                bool given_scales = false) {
+                                                int64_t argmax_kind, bool tf32, bool normalize) {
   TORCH_CHECK(q_in.is_cuda() && d_in.is_cuda(), "maxsim: q and d must be CUDA tensors");
   TORCH_CHECK(q_in.dim() == 2 && d_in.dim() == 2 && q_in.size(1) == d_in.size(1),
               "maxsim: q [Tq, dim] and d [Td, dim] must share dim");
   const auto dtype = q_in.scalar_type();
   TORCH_CHECK(dtype == d_in.scalar_type(), "maxsim: q and d must have the same dtype");
-  // given_scales: 16-bit tokens with per-token scales (widened fp8, see
-  // forward_quant_cuda), scored by the scaled wgmma kernel only.
-  const bool quant = q_scale != nullptr && !given_scales;
-  TORCH_CHECK(!given_scales || (q_scale != nullptr && dtype == at::kHalf), "maxsim: internal: given scales");
-  if (q_scale != nullptr) {
-    TORCH_CHECK(given_scales || dtype == at::kChar || dtype == at::kFloat8_e4m3fn,
+  const bool quant = q_scale != nullptr;
+  if (quant) {
+    TORCH_CHECK(dtype == at::kChar || dtype == at::kFloat8_e4m3fn,
                 "maxsim: quantized tokens must be int8 or float8_e4m3fn");
     for (const at::Tensor* s : {q_scale, d_scale})
       TORCH_CHECK(s->is_cuda() && s->scalar_type() == at::kFloat && s->dim() == 1 && s->is_contiguous(),
@@ -289,10 +289,10 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
       const auto* pr = at::cuda::getCurrentDeviceProperties();
       TORCH_CHECK(pr->major * 10 + pr->minor >= 89, "maxsim: float8_e4m3fn tokens need sm_89 or newer");
     }
-  }
-  if (!quant)
+  } else {
     TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
                 "maxsim: dtype must be float32, float16 or bfloat16");
+  }
   TORCH_CHECK(layout >= 0 && layout <= 2, "maxsim: bad layout");
   TORCH_CHECK(argmax_kind >= 0 && argmax_kind <= 2, "maxsim: bad argmax_kind");
   TORCH_CHECK(lq >= 0 && lq < (int64_t)1 << 30, "maxsim: bad lq");
@@ -358,12 +358,11 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
   p.pair_d = pd.defined() ? pd.data_ptr<int>() : nullptr;
   // normalize: query inverse norms up front; the tensor-core kernel derives
   // the documents' from its own fragments, the SIMT kernel reads d_inv.
-  const bool scaled = (normalize || given_scales) && !quant && lq > 0;
+  const bool scaled = normalize && !quant && lq > 0;
   at::Tensor q_inv, d_inv;
-  if (scaled && !given_scales) q_inv = cuda_norm::inv_norms(q);
-  const bool has_scales = quant || given_scales;
-  p.q_scale = has_scales ? q_scale->data_ptr<float>() : scaled ? q_inv.data_ptr<float>() : nullptr;
-  p.d_scale = has_scales ? d_scale->data_ptr<float>() : nullptr;
+  if (scaled) q_inv = cuda_norm::inv_norms(q);
+  p.q_scale = quant ? q_scale->data_ptr<float>() : scaled ? q_inv.data_ptr<float>() : nullptr;
+  p.d_scale = quant ? d_scale->data_ptr<float>() : nullptr;
   p.Tq = q.size(0);
   p.Td = d.size(0);
   p.row_bytes = dim * esz;
@@ -447,7 +446,6 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
   const int64_t wg_rows = std::min<int64_t>(query_rows_per_token(layout, Nq, lq), kWgBM);
   const bool use_wg = use_mma && dtype != at::kFloat && g_forced_cfg < 0 && prop->major == 9 &&
                       wg_rows >= kWgBM && wgmma_shape_ok(p, dim, esz) && wgmma_ready_any(dtype, dim, arg, scaled);
-  TORCH_CHECK(!given_scales || lq == 0 || use_wg, "maxsim: internal: given scales need the wgmma path");
 
   const int bm = use_wg ? kWgBM : use_mma ? mma_cfg_info(cfg).bm : kSimtBM;
   const int bn = use_wg ? kWgBN : use_mma ? mma_cfg_info(cfg).bn : kSimtBN;
@@ -526,7 +524,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
     }
   }
 
-  if (scaled && !given_scales && (!use_mma || use_wg)) {  // the mma.sync kernel derives its own
+  if (scaled && (!use_mma || use_wg)) {  // the mma.sync kernel derives its own
     d_inv = cuda_norm::inv_norms(d);
     p.d_scale = d_inv.data_ptr<float>();
   }
@@ -544,39 +542,6 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
   }
   if (p.row_mode) launch_finalize(arg, p, stream);
   return {scores, argmax};
-}
-
-at::Tensor widen_e4m3(const at::Tensor& x);  // widen_e4m3.cu
-
-// Developer hook (benchmark harness only): fp8 widening, -1 heuristic,
-// 0 never, 1 wherever the wgmma kernel can take the problem.
-static int g_fp8_widen = -1;
-void set_fp8_widen(int mode) { g_fp8_widen = mode; }
-constexpr int64_t kWidenMaxBytes = (int64_t)4 << 30;  // f16 bytes of widened documents per call
-
-// fp8 tokens on sm_90, where the wgmma kernel would take the problem (>= 128
-// query rows per tile, scores only): e4m3 values are exact in f16, so both
-// sides are widened once (a transient f16 copy, twice the fp8 bytes) and
-// scored by the scaled f16 wgmma kernel with the same per-token scales --
-// fp8 wgmma itself accumulates below fp32 (forward_wgmma.cuh), and the e4m3
-// mma.sync tile kernel ran ColPali-sized scans at 2.5x the bf16 time.
-bool fp8_widen_ok(const at::Tensor& q, const at::Tensor& d, int64_t Nq, int64_t layout, int64_t lq,
-                  int64_t argmax_kind) {
-  if (g_fp8_widen == 0) return false;
-  if (q.scalar_type() != at::kFloat8_e4m3fn || !q.is_cuda() || argmax_kind != 0 || g_forced_cfg >= 0) return false;
-  if (q.dim() != 2 || d.dim() != 2 || q.size(1) != d.size(1) || lq <= 0) return false;
-  const int64_t dim = q.size(1);
-  if (!wgmma_rows_ok(dim, 2, q.size(0), d.size(0))) return false;  // as f16 rows
-  // The transient copy is capped (a resident fp8 corpus is scanned in one
-  // call): larger scans keep the tile kernel rather than risk running out of
-  // memory.
-  if (d.numel() * 2 > kWidenMaxBytes) return false;
-  // The widening pass costs ~1 / 3 of a 16-bit copy of the tokens; the tile
-  // kernel's time grows with the query rows each token meets (H100, d 128:
-  // break-even near 256 rows; 1024 rows x 10k documents 10.4 -> 6.8 ms).
-  const int64_t rows = query_rows_per_token(layout, Nq, lq);
-  if (g_fp8_widen < 0 && rows < 512) return false;
-  return rows >= kWgBM && run_wgmma_scaled_available<__half>(dim, false);  // sm_90 only
 }
 
 }  // namespace cuda_fwd
@@ -599,9 +564,6 @@ std::tuple<at::Tensor, at::Tensor> forward_quant_cuda(
     const std::optional<at::Tensor>& pair_q, const std::optional<at::Tensor>& pair_d, int64_t layout, int64_t lq,
     int64_t argmax_kind) {
   const at::Tensor qs = q_scale.contiguous(), ds = d_scale.contiguous();
-  if (cuda_fwd::fp8_widen_ok(q, d, q_start.numel(), layout, lq, argmax_kind))
-    return cuda_fwd::forward_impl(cuda_fwd::widen_e4m3(q), &qs, q_start, q_len, q_mask, cuda_fwd::widen_e4m3(d), &ds,
-                                  d_start, d_len, d_mask, pair_q, pair_d, layout, lq, argmax_kind, false, false, true);
   return cuda_fwd::forward_impl(q, &qs, q_start, q_len, q_mask, d, &ds, d_start, d_len, d_mask, pair_q, pair_d,
                                 layout, lq, argmax_kind, false, false);
 }

@@ -3,9 +3,15 @@
 // 8 <= dim <= 128 for 16-bit tokens). int8 tokens (s32 accumulation, exact;
 // forward_quant) run the same kernel: a 32-byte k step is k16 for 16-bit and
 // k32 for 8-bit types, so fragments, swizzle and descriptors are unchanged.
-// fp8 e4m3 stays on mma.sync: Hopper's fp8 wgmma accumulates below fp32
-// precision (measured 6e-5 relative error on 128-element dot products).
-// Scaled variants (SC: int8 tokens, and 16-bit tokens under normalize) take
+// fp8 e4m3 tokens of <= 128 bytes run it too (k32 steps, f32 accumulators),
+// with one caveat: Hopper's fp8 wgmma adds the products of a chain in a
+// reduced-precision accumulator (H100: 4.5e-5 largest relative score error
+// against the dequantised fp64 reference, where the other paths are within
+// ~1e-7; the e4m3 rounding of the tokens themselves is ~1e-2). A chain spans
+// at most 128 products (the interval after which fp8 GEMM libraries promote
+// partial sums to fp32); wider fp8 rows, and argmax (whose winners could
+// swap on near-ties), stay on the exact mma.sync kernel.
+// Scaled variants (SC: 8-bit tokens, and 16-bit tokens under normalize) take
 // per-token scales: the documents' travel with each doc tile (a 1-D TMA of
 // the tile's scales into the stage) and multiply the products before the
 // max; the queries' multiply the row maxima in the finisher.
@@ -187,6 +193,32 @@ struct WgMma<int8_t> {
   static __device__ __forceinline__ float value(float acc) {
     return __int_as_float(__float_as_int(acc) + 0x4B400000) - 12582912.f;
   }
+};
+
+// e4m3 tokens, k = 32 per 32-byte step (B from shared memory, A from
+// registers, both K-major as fp8 wgmma requires). The fp8 tensor-core path
+// adds products in a reduced-precision accumulator (see the header).
+template <>
+struct WgMma<__nv_fp8_e4m3> {
+  static __device__ __forceinline__ void n128(float* d, const uint32_t* a, uint64_t desc, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "{%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d));
+  }
+  static __device__ __forceinline__ void n64(float* d, const uint32_t* a, uint64_t desc, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d));
+  }
+  static __device__ __forceinline__ float value(float acc) { return acc; }
 };
 
 // Pins accumulator registers in program order around wgmma issue / wait so
@@ -453,17 +485,22 @@ __device__ __forceinline__ void wg_fold(const FwdParams& p, const Work& w, float
 
 // One doc tile for a consumer warpgroup: wait for the stage, run the wgmma
 // chain (dim / 16 k steps) into acc, retire it, free the stage (unless the
-// doc chunk stays resident), fold.
+// doc chunk stays resident), fold. An idle warpgroup (none of its 64 query
+// rows counts, e.g. in the last M tile of a query) only keeps the ring's pace.
 template <typename T, int NKB, bool ARG, bool SC>
 __device__ __forceinline__ void wg_tile(const FwdParams& p, const Work& w, float* acc, float* acch,
                                         const uint32_t (*a)[4],
                                         int j, uint32_t g, uint32_t d_s, uint32_t bar_full, uint32_t bar_empty,
-                                        float* best, int* bidx, bool release, const float* stage_scales) {
+                                        float* best, int* bidx, bool release, const float* stage_scales, bool idle) {
   using C = WgCfg<NKB>;
   constexpr int NK16 = NKB * 4;
   const int s = (int)(g % C::STAGES);
   const float* tile_scale = stage_scales + s * kWgScaleStride + ((w.ds + w.c0 + j * kWgBN) & 3);
   mbar_wait(bar_full + 8u * s, (g / C::STAGES) & 1u);
+  if (idle) {  // still waits for the stage: an early arrival would count in the wrong phase
+    if (release && (threadIdx.x & 31) == 0) mbar_arrive(bar_empty + 8u * s);
+    return;
+  }
   const uint32_t sbase = d_s + (uint32_t)(s * C::STAGE_BYTES);
   const bool half = w.c1 - (w.c0 + j * kWgBN) <= 64;
   if (half) {
@@ -737,6 +774,9 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       }
       __syncwarp();
       if (lane == 0) mbar_arrive(bar_qempty);
+      // The row table is written before the query tile's barrier completes;
+      // the group's four warps read the same 64 flags, so they agree.
+      const bool idle = !__any_sync(0xffffffffu, row_ok[b][wg * 64 + lane] | row_ok[b][wg * 64 + 32 + lane]);
 
       float best[2] = {neg_inf(), neg_inf()};
       int bidx[2] = {-1, -1};
@@ -754,7 +794,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       const bool hold = ntiles <= ST;
       for (int j = 0; j < ntiles; ++j)
         wg_tile<T, NKB, ARG, SC>(p, w, acc, acch, a, j, chunk_g + (uint32_t)j, d_s, bar_full, bar_empty, best, bidx,
-                             !hold, sc_g);
+                             !hold, sc_g, idle);
       if (hold && !resident) {
         held_base = chunk_g;
         held_n = ntiles;
@@ -817,19 +857,15 @@ inline PFN_cuTensorMapEncodeTiled_v12000 wg_encode_fn() {
 }
 
 // Whether the wgmma path can take this problem (host-side shape / alignment
-// checks; the device and build checks are in wgmma_available<T>). The row
-// size and row count part alone is also asked before fp8 tokens are widened.
-inline bool wgmma_rows_ok(int64_t dim, int64_t esz, int64_t Tq, int64_t Td) {
+// checks; the device and build checks are in wgmma_available<T>).
+inline bool wgmma_shape_ok(const FwdParams& p, int64_t dim, int64_t esz) {
   const int64_t rb = dim * esz;  // 16..256 bytes, a multiple of 16 (TMA strides, 32-byte k steps)
   if ((esz != 2 && esz != 1) || rb < 16 || rb > 2 * 128 || rb % 16 != 0) return false;
-  if (Td <= 0 || Td >= ((int64_t)1 << 31) || Tq >= ((int64_t)1 << 31)) return false;  // 32-bit row ids
-  return wg_encode_fn() != nullptr;
-}
-inline bool wgmma_shape_ok(const FwdParams& p, int64_t dim, int64_t esz) {
+  if (p.Td <= 0 || p.Td >= ((int64_t)1 << 31) || p.Tq >= ((int64_t)1 << 31)) return false;  // 32-bit row ids
   if (reinterpret_cast<uintptr_t>(p.q) % 16 != 0 || reinterpret_cast<uintptr_t>(p.d) % 16 != 0) return false;
   // 8-bit tokens: their scales go through a 1-D tensor map (16-byte aligned base).
   if (esz == 1 && (p.d_scale == nullptr || reinterpret_cast<uintptr_t>(p.d_scale) % 16 != 0)) return false;
-  return wgmma_rows_ok(dim, esz, p.Tq, p.Td);
+  return wg_encode_fn() != nullptr;
 }
 
 template <typename T, int NKB, bool ARG, bool SC>
@@ -853,6 +889,11 @@ inline bool wg_kernel_ready() {
   return state[dev] == 1;
 }
 
+// fp8: scores only, rows of <= 128 products (one chain of the
+// reduced-precision accumulation, see the header).
+template <typename T>
+constexpr bool kWgRowsOf128Only = std::is_same<T, __nv_fp8_e4m3>::value;
+
 template <typename T, bool SC>
 inline bool wgmma_available(int64_t dim, bool arg) {
   int dev = 0;
@@ -861,9 +902,12 @@ inline bool wgmma_available(int64_t dim, bool arg) {
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
   if (major != 9 || minor != 0) return false;
+  if (kWgRowsOf128Only<T> && arg) return false;  // fp8 argmax: exact products on mma.sync (near-ties)
   if (dim * (int64_t)sizeof(T) <= 128)
     return arg ? wg_kernel_ready<T, 1, true, SC>() : wg_kernel_ready<T, 1, false, SC>();
-  return arg ? wg_kernel_ready<T, 2, true, SC>() : wg_kernel_ready<T, 2, false, SC>();
+  if constexpr (kWgRowsOf128Only<T>) return false;
+  else
+    return arg ? wg_kernel_ready<T, 2, true, SC>() : wg_kernel_ready<T, 2, false, SC>();
 }
 
 // Launches the persistent kernel over work items [item0, item0 + nitems).
@@ -928,7 +972,7 @@ inline void launch_wgmma(bool arg, const FwdParams& p, int64_t dim, int64_t item
       wg_fwd_kernel<T, 1, true, SC><<<grid, kWgThreads, WgCfg<1>::SMEM, stream>>>(map, smap, qmap, p, item0, nitems, flags);
     else
       wg_fwd_kernel<T, 1, false, SC><<<grid, kWgThreads, WgCfg<1>::SMEM, stream>>>(map, smap, qmap, p, item0, nitems, flags);
-  } else {
+  } else if constexpr (!kWgRowsOf128Only<T>) {
     if (arg)
       wg_fwd_kernel<T, 2, true, SC><<<grid, kWgThreads, WgCfg<2>::SMEM, stream>>>(map, smap, qmap, p, item0, nitems, flags);
     else

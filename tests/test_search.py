@@ -11,6 +11,14 @@ from conftest import DEVICES, capture_cuda_graph, rand
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
+def quant_tol(kind, device):
+    """Relative tolerance of 8-bit scores against the dequantised fp64
+    reference: exact paths 1e-5; fp8 scores on Hopper's fp8 wgmma, whose
+    accumulator keeps fewer bits than fp32 (measured 4.5e-5), 2e-4."""
+    hopper = device == "cuda" and torch.cuda.get_device_capability() == (9, 0)
+    return 2e-4 if kind == "fp8" and hopper else 1e-5
+
+
 def packed_corpus(n, dim, dtype, device, gen, max_len=40, min_len=0):
     lens = torch.randint(min_len, max_len + 1, (n,), generator=gen)
     off = torch.zeros(n + 1, dtype=torch.int64)
@@ -213,7 +221,7 @@ def test_quantized_corpus_exact_on_dequantized(ms, device, kind, dim, lq):
     deq_q = ms.reference.dequantize(qv.cpu(), qs.cpu(), torch.float64)[:, :dim].reshape(3, lq, dim)
     deq_d = ms.reference.dequantize(corpus.tokens.cpu(), corpus.scales.cpu(), torch.float64)[:, :dim]
     ref = ref_scores(ms, deq_q, deq_d, off)
-    check_topk(s, ids, ref, 25, 1e-5)
+    check_topk(s, ids, ref, 25, quant_tol(kind, device))
     # and close to the unquantised scores
     exact = ref_scores(ms, Q.double(), docs.double(), off)
     got = torch.gather(exact, 1, ids.cpu().long())
@@ -282,12 +290,12 @@ def test_quant_op_matches_reference_op(ms):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the tensor-core 8-bit paths need CUDA")
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 @pytest.mark.parametrize("dim,lq,nq", [(128, 130, 1), (64, 32, 8), (256, 200, 1), (48, 300, 2), (128, 32, 1),
-                                       (64, 17, 1), (256, 9, 1), (128, 520, 1)])
+                                       (64, 17, 1), (256, 9, 1), (128, 520, 1), (64, 17, 40)])
 def test_quant_op_tensor_cores_match_reference(ms, kind, dim, lq, nq):
     """forward_quant on CUDA (mma.sync, wgmma on sm_90 once a tile holds >= 128
-    query rows, and the register-streaming kernel for one query of <= 32 rows
-    without argmax; fp8 scores of >= 512 query rows per token on sm_90 go
-    through tokens widened to f16) vs the reference on the dequantised
+    query rows -- fp8 there for scores of rows <= 128 bytes, argmax on the
+    exact mma.sync products -- and the register-streaming kernel for one
+    query of <= 32 rows without argmax) vs the reference on the dequantised
     tokens: scores, argmax, masks, empty and invalid documents, CROSS /
     GROUPED / LIST."""
     if kind == "fp8" and torch.cuda.get_device_capability() < (8, 9):
@@ -319,7 +327,8 @@ def test_quant_op_tensor_cores_match_reference(ms, kind, dim, lq, nq):
         ok = ~torch.isnan(ref[0])
         assert torch.equal(got[1].cpu()[ok], ref[1][ok])
         plain = ms.ops.forward_quant(*args[:-1], 0)[0]  # scores only: the streaming kernel where it applies
-        torch.testing.assert_close(plain.double().cpu(), ref[0], rtol=1e-5, atol=1e-4, equal_nan=True)
+        torch.testing.assert_close(plain.double().cpu(), ref[0], rtol=quant_tol(kind, "cuda"), atol=1e-4,
+                                   equal_nan=True)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned streaming needs CUDA")
