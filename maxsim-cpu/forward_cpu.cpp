@@ -434,7 +434,7 @@ std::tuple<at::Tensor, at::Tensor> forward_quant_cpu(
     const std::optional<at::Tensor>& q_mask, const at::Tensor& d, const at::Tensor& d_scale,
     const at::Tensor& d_start, const at::Tensor& d_len, const std::optional<at::Tensor>& d_mask,
     const std::optional<at::Tensor>& pair_q, const std::optional<at::Tensor>& pair_d, int64_t layout, int64_t lq,
-    int64_t argmax_kind) {
+    int64_t argmax_kind, bool /*uniform_doc_scales: per-token scales are exact either way*/) {
   TORCH_CHECK(q.scalar_type() == d.scalar_type() &&
                   (q.scalar_type() == at::kChar || q.scalar_type() == at::kFloat8_e4m3fn),
               "maxsim forward_quant_cpu: q and d must share dtype int8 or float8_e4m3fn");

@@ -34,6 +34,9 @@ struct FwdParams {
   // (inverse row norms); else null.
   const float* q_scale;  // [Tq]
   const float* d_scale;  // [Td]
+  // forward_quant's promise that d_scale is constant (and > 0) within each
+  // document: the wgmma kernel then applies it to the row maxima.
+  int d_scale_per_doc;
   int64_t Tq, Td;
   int64_t row_bytes;  // dim * element size
   int64_t Nq, Nd, P, K;  // K: docs per query (GROUPED), >= 1

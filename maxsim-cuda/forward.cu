@@ -269,7 +269,8 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
                                                 const at::Tensor& d_len, const std::optional<at::Tensor>& d_mask,
                                                 const std::optional<at::Tensor>& pair_q,
                                                 const std::optional<at::Tensor>& pair_d, int64_t layout, int64_t lq,
-                                                int64_t argmax_kind, bool tf32, bool normalize) {
+                                                int64_t argmax_kind, bool tf32, bool normalize,
+                                                bool uniform_doc_scales = false) {
   TORCH_CHECK(q_in.is_cuda() && d_in.is_cuda(), "maxsim: q and d must be CUDA tensors");
   TORCH_CHECK(q_in.dim() == 2 && d_in.dim() == 2 && q_in.size(1) == d_in.size(1),
               "maxsim: q [Tq, dim] and d [Td, dim] must share dim");
@@ -363,6 +364,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
   if (scaled) q_inv = cuda_norm::inv_norms(q);
   p.q_scale = quant ? q_scale->data_ptr<float>() : scaled ? q_inv.data_ptr<float>() : nullptr;
   p.d_scale = quant ? d_scale->data_ptr<float>() : nullptr;
+  p.d_scale_per_doc = quant && uniform_doc_scales;
   p.Tq = q.size(0);
   p.Td = d.size(0);
   p.row_bytes = dim * esz;
@@ -562,10 +564,10 @@ std::tuple<at::Tensor, at::Tensor> forward_quant_cuda(
     const std::optional<at::Tensor>& q_mask, const at::Tensor& d, const at::Tensor& d_scale,
     const at::Tensor& d_start, const at::Tensor& d_len, const std::optional<at::Tensor>& d_mask,
     const std::optional<at::Tensor>& pair_q, const std::optional<at::Tensor>& pair_d, int64_t layout, int64_t lq,
-    int64_t argmax_kind) {
+    int64_t argmax_kind, bool uniform_doc_scales) {
   const at::Tensor qs = q_scale.contiguous(), ds = d_scale.contiguous();
   return cuda_fwd::forward_impl(q, &qs, q_start, q_len, q_mask, d, &ds, d_start, d_len, d_mask, pair_q, pair_d,
-                                layout, lq, argmax_kind, false, false);
+                                layout, lq, argmax_kind, false, false, uniform_doc_scales);
 }
 
 }  // namespace maxsim

@@ -14,7 +14,12 @@
 // Scaled variants (SC: 8-bit tokens, and 16-bit tokens under normalize) take
 // per-token scales: the documents' travel with each doc tile (a 1-D TMA of
 // the tile's scales into the stage) and multiply the products before the
-// max; the queries' multiply the row maxima in the finisher.
+// max; the queries' multiply the row maxima in the finisher. Where the
+// caller promises one scale per document (forward_quant's
+// uniform_doc_scales; fp8 corpora are stored that way), the fp8 kernel takes
+// kScDoc: the document's scale commutes with the max and joins the query's
+// in the finisher, and the fold is the max alone (H100 colpali-10k: the
+// per-product scale step cost ~1.4 of ~3.9 ms).
 //
 // Persistent kernel, one CTA per SM (384 threads), each CTA walking the same
 // work items as the other forward kernels (decode_work: M tile of BM = 128
@@ -92,6 +97,11 @@ struct WgCfg {
   static constexpr int SCALE_BYTES = STAGES * kWgScaleStride * 4;  // scaled variants: doc-token scales per stage
   static constexpr int SMEM = STAGES * STAGE_BYTES + Q_BYTES + SCALE_BYTES + 1024;  // + alignment slack
 };
+
+// Scale modes (template parameter SC).
+constexpr int kScNone = 0;   // 16-bit tokens
+constexpr int kScToken = 1;  // per-token scales, the documents' before the max
+constexpr int kScDoc = 2;    // one scale per document, applied to the row maxima
 
 // Kernel flags.
 constexpr int kWgContiguous = 1;  // contiguous item ranges per CTA (else strided)
@@ -340,12 +350,17 @@ __device__ __forceinline__ void wg_slot_info(const FwdParams& p, const Work& w, 
 }
 
 // finish_tile (common.cuh) for one warp, with the slot states precomputed.
-template <int BM, bool ARG, bool SC>
+template <int BM, bool ARG, int SC>
 __device__ __forceinline__ void wg_finish(const FwdParams& p, const Work& w, const float* rb, const int* ri,
                                           const unsigned char* row_ok, const unsigned char* slot_st, int lane,
                                           const long long* rsrc) {
   // Scaled variants: a query row's scale (> 0) commutes with its max.
-  auto rowv = [&](int r) { return SC && rb[r] != neg_inf() ? rb[r] * p.q_scale[rsrc[r]] : rb[r]; };
+  // kScDoc: a valid row's max came from a token of this document, so d_scale[ds] is in range.
+  auto rowv = [&](int r) {
+    if (SC == kScNone || rb[r] == neg_inf()) return rb[r];
+    const float v = rb[r] * p.q_scale[rsrc[r]];
+    return SC == kScDoc ? v * p.d_scale[w.ds] : v;
+  };
   if (p.row_mode <= 1) {
     const int nslots = p.layout == kCrossL ? p.qpt : 1;
     const int tt = w.mt % p.tpq;
@@ -402,11 +417,11 @@ __device__ __forceinline__ void wg_finish(const FwdParams& p, const Work& w, con
 // argmax: a max.NaN tree. With argmax: a sequential (max, argmax) update
 // (measured faster than the tree followed by a search of tiles that beat the
 // running max: in short items nearly every tile took the search).
-template <typename T, int NJ, bool ARG, bool SC>
+template <typename T, int NJ, bool ARG, int SC>
 __device__ __forceinline__ void wg_fold(const FwdParams& p, const Work& w, float* acc, int jt, float* best,
                                         int* bidx, const float* tile_scale) {
   const int lane = threadIdx.x & 31;
-  if constexpr (SC) {
+  if constexpr (SC == kScToken) {
     // Scaled tokens (int8, or normalize): fp32 product times the doc token's
     // scale (staged with the tile), before the max. A thread's columns come
     // in pairs: one 8-byte load per pair when the tile's scales start at an
@@ -487,7 +502,7 @@ __device__ __forceinline__ void wg_fold(const FwdParams& p, const Work& w, float
 // chain (dim / 16 k steps) into acc, retire it, free the stage (unless the
 // doc chunk stays resident), fold. An idle warpgroup (none of its 64 query
 // rows counts, e.g. in the last M tile of a query) only keeps the ring's pace.
-template <typename T, int NKB, bool ARG, bool SC>
+template <typename T, int NKB, bool ARG, int SC>
 __device__ __forceinline__ void wg_tile(const FwdParams& p, const Work& w, float* acc, float* acch,
                                         const uint32_t (*a)[4],
                                         int j, uint32_t g, uint32_t d_s, uint32_t bar_full, uint32_t bar_empty,
@@ -530,7 +545,7 @@ __device__ __forceinline__ void wg_tile(const FwdParams& p, const Work& w, float
 }
 #endif  // MAXSIM_WG_DEVICE
 
-template <typename T, int NKB, bool ARG, bool SC>
+template <typename T, int NKB, bool ARG, int SC>
 __global__ void __launch_bounds__(kWgThreads, 1)
     wg_fwd_kernel(const __grid_constant__ CUtensorMap tmap, const __grid_constant__ CUtensorMap smap,
                   const __grid_constant__ CUtensorMap qmap, const FwdParams p, int64_t item0, int64_t nitems,
@@ -610,12 +625,12 @@ __global__ void __launch_bounds__(kWgThreads, 1)
           for (int j = 0; j < ntiles; ++j, ++g) {
             const int s = (int)(g % ST);
             mbar_wait(bar_empty + 8u * s, ((g / ST) & 1u) ^ 1u);
-            mbar_expect_tx(bar_full + 8u * s, (uint32_t)(C::STAGE_BYTES + (SC ? kWgScaleBox * 4 : 0)));
+            mbar_expect_tx(bar_full + 8u * s, (uint32_t)(C::STAGE_BYTES + (SC == kScToken ? kWgScaleBox * 4 : 0)));
 #pragma unroll
             for (int kb = 0; kb < NKB; ++kb)
               tma_load_2d(d_s + (uint32_t)(s * C::STAGE_BYTES + kb * BN * 128), &tmap, kb * (128 / (int)sizeof(T)),
                           row0 + j * BN, bar_full + 8u * s);
-            if (SC) tma_load_1d(sc_s + (uint32_t)(s * kWgScaleStride * 4), &smap, (row0 + j * BN) & ~3, bar_full + 8u * s);
+            if (SC == kScToken) tma_load_1d(sc_s + (uint32_t)(s * kWgScaleStride * 4), &smap, (row0 + j * BN) & ~3, bar_full + 8u * s);
           }
         }
       }
@@ -868,7 +883,7 @@ inline bool wgmma_shape_ok(const FwdParams& p, int64_t dim, int64_t esz) {
   return wg_encode_fn() != nullptr;
 }
 
-template <typename T, int NKB, bool ARG, bool SC>
+template <typename T, int NKB, bool ARG, int SC>
 inline bool wg_kernel_ready() {
   // Per device: raise the dynamic shared-memory limit once and check that the
   // kernel was compiled with its sm_90a body (an empty stub otherwise: no
@@ -894,7 +909,7 @@ inline bool wg_kernel_ready() {
 template <typename T>
 constexpr bool kWgRowsOf128Only = std::is_same<T, __nv_fp8_e4m3>::value;
 
-template <typename T, bool SC>
+template <typename T, int SC>
 inline bool wgmma_available(int64_t dim, bool arg) {
   int dev = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
@@ -902,10 +917,10 @@ inline bool wgmma_available(int64_t dim, bool arg) {
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
   if (major != 9 || minor != 0) return false;
-  if (kWgRowsOf128Only<T> && arg) return false;  // fp8 argmax: exact products on mma.sync (near-ties)
-  if (dim * (int64_t)sizeof(T) <= 128)
+  if constexpr (kWgRowsOf128Only<T>)  // fp8 argmax: exact products on mma.sync (winners could swap on near-ties)
+    return !arg && dim * (int64_t)sizeof(T) <= 128 && wg_kernel_ready<T, 1, false, SC>();
+  else if (dim * (int64_t)sizeof(T) <= 128)
     return arg ? wg_kernel_ready<T, 1, true, SC>() : wg_kernel_ready<T, 1, false, SC>();
-  if constexpr (kWgRowsOf128Only<T>) return false;
   else
     return arg ? wg_kernel_ready<T, 2, true, SC>() : wg_kernel_ready<T, 2, false, SC>();
 }
@@ -913,9 +928,10 @@ inline bool wgmma_available(int64_t dim, bool arg) {
 // Launches the persistent kernel over work items [item0, item0 + nitems).
 // p must be set up for BM = kWgBM, BN = kWgBN (qpt, tpq, mt_total, S,
 // row_mode, workspaces), exactly as for the other kernels.
-// SC: per-token scales in p.q_scale / p.d_scale (int8 tokens; 16-bit tokens
-// under normalize, with the documents' inverse norms from a pre-pass).
-template <typename T, bool SC>
+// SC: per-token scales in p.q_scale / p.d_scale (8-bit tokens; 16-bit tokens
+// under normalize, with the documents' inverse norms from a pre-pass); fp8
+// with p.d_scale_per_doc runs kScDoc.
+template <typename T, int SC>
 inline void launch_wgmma(bool arg, const FwdParams& p, int64_t dim, int64_t item0, int64_t nitems, int num_sms,
                          cudaStream_t stream) {
   if (nitems <= 0) return;
@@ -942,7 +958,7 @@ inline void launch_wgmma(bool arg, const FwdParams& p, int64_t dim, int64_t item
     TORCH_CHECK(r == CUDA_SUCCESS, "maxsim: cuTensorMapEncodeTiled (queries) failed (", (int)r, ")");
   }
   smap = map;  // unused by unscaled kernels
-  if (SC) {  // doc-token scales, one BN-row box per stage (rows past Td read as 0)
+  if (SC != kScNone) {  // doc-token scales, one BN-row box per stage (rows past Td read as 0)
     cuuint64_t sdim[1] = {(cuuint64_t)p.Td};
     cuuint64_t sgstride[1] = {(cuuint64_t)p.Td * 4};  // rank 1 reads none; never passed as null
     cuuint32_t sbox[1] = {(cuuint32_t)kWgScaleBox};
@@ -967,12 +983,19 @@ inline void launch_wgmma(bool arg, const FwdParams& p, int64_t dim, int64_t item
                   : 0;
   if (wg_forced_flags() >= 0) flags = wg_forced_flags();
   TORCH_CHECK((wgmma_available<T, SC>(dim, arg)), "maxsim: wgmma kernel unavailable");
-  if (small) {
+  if constexpr (kWgRowsOf128Only<T>) {
+    if (p.d_scale_per_doc) {
+      TORCH_CHECK((wg_kernel_ready<T, 1, false, kScDoc>()), "maxsim: wgmma kernel unavailable");
+      wg_fwd_kernel<T, 1, false, kScDoc><<<grid, kWgThreads, WgCfg<1>::SMEM, stream>>>(map, smap, qmap, p, item0, nitems, flags);
+    } else {
+      wg_fwd_kernel<T, 1, false, SC><<<grid, kWgThreads, WgCfg<1>::SMEM, stream>>>(map, smap, qmap, p, item0, nitems, flags);
+    }
+  } else if (small) {
     if (arg)
       wg_fwd_kernel<T, 1, true, SC><<<grid, kWgThreads, WgCfg<1>::SMEM, stream>>>(map, smap, qmap, p, item0, nitems, flags);
     else
       wg_fwd_kernel<T, 1, false, SC><<<grid, kWgThreads, WgCfg<1>::SMEM, stream>>>(map, smap, qmap, p, item0, nitems, flags);
-  } else if constexpr (!kWgRowsOf128Only<T>) {
+  } else {
     if (arg)
       wg_fwd_kernel<T, 2, true, SC><<<grid, kWgThreads, WgCfg<2>::SMEM, stream>>>(map, smap, qmap, p, item0, nitems, flags);
     else
@@ -1005,8 +1028,8 @@ void run_wgmma_scaled(bool arg, const FwdParams& p, int64_t dim, int64_t item0, 
                cudaStream_t stream) {                                                                    \
     launch_wgmma<T, SC>(arg, p, dim, item0, nitems, num_sms, stream);                                    \
   }
-#define MAXSIM_DEFINE_WGMMA_RUNNERS(T) MAXSIM_DEFINE_WGMMA_RUNNERS_(run_wgmma, T, kIsQuant<T>)
-#define MAXSIM_DEFINE_WGMMA_SCALED_RUNNERS(T) MAXSIM_DEFINE_WGMMA_RUNNERS_(run_wgmma_scaled, T, true)
+#define MAXSIM_DEFINE_WGMMA_RUNNERS(T) MAXSIM_DEFINE_WGMMA_RUNNERS_(run_wgmma, T, (kIsQuant<T> ? kScToken : kScNone))
+#define MAXSIM_DEFINE_WGMMA_SCALED_RUNNERS(T) MAXSIM_DEFINE_WGMMA_RUNNERS_(run_wgmma_scaled, T, kScToken)
 
 }  // namespace cuda_fwd
 }  // namespace maxsim

@@ -229,6 +229,43 @@ def test_quantized_corpus_exact_on_dequantized(ms, device, kind, dim, lq):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_corpus_scale_layout(ms, device):
+    """fp8 corpora share one scale per document (its largest finite
+    magnitude / 448: a NaN or inf token does not set it) and say so; int8
+    keeps per-token scales; prequantised corpora are checked as given."""
+    if device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 corpora need sm_89+")
+    g = torch.Generator().manual_seed(5)
+    docs, off = packed_corpus(40, 32, torch.float32, "cpu", g)
+    offc = off.tolist()
+    n_nan = next(n for n in range(40) if offc[n + 1] - offc[n] >= 3)
+    docs[offc[n_nan] + 1, 3] = float("nan")
+    docs[offc[n_nan] + 2, 5] = float("inf")
+    c8 = ms.Corpus(docs.to(device), off.to(device), device=device, quantization="fp8")
+    assert c8.uniform_doc_scales
+    sc = c8.scales.cpu()
+    for n in range(40):
+        a, b = offc[n], offc[n + 1]
+        if b > a:
+            x = docs[a:b]
+            amax = torch.where(torch.isfinite(x), x.abs(), torch.zeros(())).amax()
+            assert torch.all(sc[a:b] == amax / torch.tensor(448.0)), n
+    deq = ms.reference.dequantize(c8.tokens.cpu(), sc)[:, :32]
+    fin = torch.isfinite(docs)
+    err = (deq - docs).abs()[fin]
+    assert torch.all(err <= docs.abs()[fin] * 2.0 ** -4 + (sc[:, None].expand_as(docs)[fin]) * 2.0 ** -10)
+    assert torch.isnan(deq[offc[n_nan] + 1, 3])
+    ci = ms.Corpus(docs.nan_to_num(0, 0, 0).to(device), off.to(device), device=device, quantization="int8")
+    assert not ci.uniform_doc_scales
+    pre = ms.Corpus(c8.tokens, off.to(device), scales=c8.scales, device=device)
+    assert pre.uniform_doc_scales
+    bad = c8.scales.clone()
+    bad[offc[n_nan] + 1] *= 2
+    assert not ms.Corpus(c8.tokens, off.to(device), scales=bad, device=device).uniform_doc_scales
+    assert not ms.Corpus(c8.tokens, off.to(device), scales=-c8.scales, device=device).uniform_doc_scales
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_quantize_tokens(ms, device):
     g = torch.Generator().manual_seed(2)
     x = rand(100, 33, device=device, gen=g) * 3
@@ -297,7 +334,8 @@ def test_quant_op_tensor_cores_match_reference(ms, kind, dim, lq, nq):
     exact mma.sync products -- and the register-streaming kernel for one
     query of <= 32 rows without argmax) vs the reference on the dequantised
     tokens: scores, argmax, masks, empty and invalid documents, CROSS /
-    GROUPED / LIST."""
+    GROUPED / LIST; and scores with one scale per document promised
+    (uniform_doc_scales: fp8 on sm_90 applies it to the row maxima)."""
     if kind == "fp8" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 tensor cores need sm_89+")
     g = torch.Generator().manual_seed(23)
@@ -315,10 +353,18 @@ def test_quant_op_tensor_cores_match_reference(ms, kind, dim, lq, nq):
     d_len[4] = -1  # an invalid document scores NaN
     d_start = i32(starts)
     dm = (torch.rand(td, generator=g) > 0.1).cuda()
+    # one scale per document (as fp8 corpora store them), promised to the op
+    ds_doc = torch.repeat_interleave(torch.rand(6, generator=g) * 0.02 + 0.001, lens).cuda()
     layouts = [(0, None, None), (2, i32(torch.tensor([0, 5, 3, 1]) % nq), i32(torch.tensor([1, 0, 5, 3])))]
     if nq == 1:
         layouts.append((1, None, None))  # the query's 6 candidates
     for layout, pq, pd in layouts:
+        args = (q, qs, q_start, q_len, None, d, ds_doc, d_start, i32(d_len), dm, pq, pd, layout, lq, 0)
+        got = ms.ops.forward_quant(*args, True)[0]
+        ref = ms.reference.forward_quant(*[a.cpu() if isinstance(a, torch.Tensor) else a for a in args],
+                                         accum=torch.float64)
+        torch.testing.assert_close(got.double().cpu(), ref[0], rtol=quant_tol(kind, "cuda"), atol=1e-4,
+                                   equal_nan=True)
         args = (q, qs, q_start, q_len, None, d, ds, d_start, i32(d_len), dm, pq, pd, layout, lq, 1)
         got = ms.ops.forward_quant(*args)
         ref = ms.reference.forward_quant(*[a.cpu() if isinstance(a, torch.Tensor) else a for a in args],

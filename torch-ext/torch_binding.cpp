@@ -22,7 +22,7 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
       "forward_quant(Tensor q, Tensor q_scale, Tensor q_start, Tensor q_len, "
       "Tensor? q_mask, Tensor d, Tensor d_scale, Tensor d_start, Tensor d_len, "
       "Tensor? d_mask, Tensor? pair_q, Tensor? pair_d, int layout, int lq, "
-      "int argmax_kind) -> (Tensor scores, Tensor argmax)");
+      "int argmax_kind, bool uniform_doc_scales=False) -> (Tensor scores, Tensor argmax)");
   ops.def("quantize(Tensor x, int kind) -> (Tensor values, Tensor scales)");
   ops.def("block_topk(Tensor scores, int id0, int k, Tensor? ids=None) -> Tensor keys");
   ops.def("decode_keys(Tensor keys) -> (Tensor scores, Tensor ids)");

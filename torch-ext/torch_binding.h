@@ -57,12 +57,15 @@ using ForwardFn = std::tuple<at::Tensor, at::Tensor>(
 // Quantized tokens (inference only): q / d are int8 or float8_e4m3fn with
 // per-token fp32 scales q_scale [Tq] (> 0) / d_scale [Td]; token r stands for
 // scale[r] * row r. Same contract as forward otherwise (no tf32 flag).
+// uniform_doc_scales: the caller promises that d_scale is the same (> 0)
+// for all tokens of each document, so a kernel may apply it to the row
+// maxima instead of to every product (the result is the same).
 using ForwardQuantFn = std::tuple<at::Tensor, at::Tensor>(
     const at::Tensor& q, const at::Tensor& q_scale, const at::Tensor& q_start, const at::Tensor& q_len,
     const std::optional<at::Tensor>& q_mask, const at::Tensor& d, const at::Tensor& d_scale,
     const at::Tensor& d_start, const at::Tensor& d_len, const std::optional<at::Tensor>& d_mask,
     const std::optional<at::Tensor>& pair_q, const std::optional<at::Tensor>& pair_d, int64_t layout, int64_t lq,
-    int64_t argmax_kind);
+    int64_t argmax_kind, bool uniform_doc_scales);
 
 // Per-token symmetric quantisation of x [T, d] (float): kind 0 int8, 1 fp8
 // e4m3. Returns (values [T, round_up(d, 16)], scales [T] fp32); semantics in

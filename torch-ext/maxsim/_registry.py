@@ -55,7 +55,7 @@ def _forward_fake(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, 
 
 @torch.library.register_fake(FORWARD_QUANT)
 def _forward_quant_fake(q, q_scale, q_start, q_len, q_mask, d, d_scale, d_start, d_len, d_mask,
-                        pair_q, pair_d, layout, lq, argmax_kind):
+                        pair_q, pair_d, layout, lq, argmax_kind, uniform_doc_scales=False):
     P = num_pairs(q_start, d_start, pair_q, layout)
     return q.new_empty((P,), dtype=torch.float32), _argmax_empty(q, P, lq, argmax_kind)
 
@@ -100,7 +100,7 @@ def _reference_forward(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pai
 
 
 def _reference_forward_quant(q, q_scale, q_start, q_len, q_mask, d, d_scale, d_start, d_len, d_mask,
-                             pair_q, pair_d, layout, lq, argmax_kind):
+                             pair_q, pair_d, layout, lq, argmax_kind, uniform_doc_scales=False):
     _warn_fallback("forward_quant", q.device.type)
     return reference.forward_quant(q, q_scale, q_start, q_len, q_mask, d, d_scale, d_start, d_len,
                                    d_mask, pair_q, pair_d, layout, lq, argmax_kind)

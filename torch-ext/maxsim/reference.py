@@ -134,8 +134,11 @@ def dequantize(x, scale, dtype=torch.float32):
 
 
 def forward_quant(q, q_scale, q_start, q_len, q_mask, d, d_scale, d_start, d_len, d_mask, pair_q,
-                  pair_d, layout: int, lq: int, argmax_kind: int, accum: torch.dtype = torch.float32):
-    """Reference for ``ops.forward_quant``: the forward of the dequantised tokens."""
+                  pair_d, layout: int, lq: int, argmax_kind: int, uniform_doc_scales: bool = False,
+                  accum: torch.dtype = torch.float32):
+    """Reference for ``ops.forward_quant``: the forward of the dequantised tokens
+    (``uniform_doc_scales`` only lets kernels apply a document's one scale
+    after the max; the result is the same)."""
     return forward(dequantize(q, q_scale, accum), q_start, q_len, q_mask, dequantize(d, d_scale, accum),
                    d_start, d_len, d_mask, pair_q, pair_d, layout, lq, argmax_kind, accum=accum)
 

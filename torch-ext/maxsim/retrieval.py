@@ -12,8 +12,8 @@ A corpus lives on the GPU, in pinned host memory (streamed to the GPU in
 chunks on a copy stream, double-buffered against the scoring of the previous
 chunk) or on the CPU (CPU kernels); it may be stored as int8 (per-token
 symmetric scales, scored exactly in int32 on int8 tensor cores) or fp8 e4m3
-(per-token scales, fp8 tensor cores on sm_89+), in which case the queries are
-quantised the same way per token. A quantised corpus may keep its original
+(one scale per document, fp8 tensor cores on sm_89+), in which case the
+queries are quantised per token. A quantised corpus may keep its original
 tokens (``rescore=``, e.g. on the host) so that :func:`search` re-scores the
 best ``oversample x k`` candidates of the compressed scan exactly.
 """
@@ -96,6 +96,54 @@ def quantize_tokens(x: Tensor, kind: str) -> tuple[Tensor, Tensor]:
     return ops.quantize(x, _QKIND[kind])
 
 
+def _doc_rows(starts: Tensor, lens: Tensor) -> tuple[Tensor, Tensor]:
+    """Token rows of every document in order, and the document of each."""
+    lens = lens.to(torch.int64).clamp(min=0)
+    doc = torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens)
+    base = starts.to(torch.int64) - (torch.cumsum(lens, 0) - lens)
+    return torch.arange(doc.numel(), device=lens.device) + base[doc], doc
+
+
+def _fp8_doc_scales(tokens: Tensor, starts: Tensor, lens: Tensor, work, step: int) -> Tensor:
+    """fp8 scales [T]: each document's largest finite magnitude / 448, shared
+    by its tokens (rows outside every document keep their own). A float
+    format keeps its relative precision under a shared scale (only values
+    below e4m3's normal range, 2^-6 of the scale, lose bits), and the scan
+    can apply one scale per document to the row maxima instead of to every
+    product."""
+    if tokens.shape[0] == 0:
+        return torch.empty(0, dtype=torch.float32, device=work)
+    amax = torch.cat([tokens[r0:r0 + step].to(work).float().abs().amax(1) for r0 in range(0, tokens.shape[0], step)])
+    amax = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax))
+    qmax = amax.new_full((), 448.0)
+    one = torch.ones_like(amax)
+    scales = torch.where(amax > 0, amax / qmax, one)
+    rows, doc = _doc_rows(starts.to(work), lens.to(work))
+    dmax = amax.new_zeros(starts.numel()).scatter_reduce_(0, doc, amax[rows], "amax")
+    scales[rows] = torch.where(dmax > 0, dmax / qmax, torch.ones_like(dmax))[doc]
+    return scales
+
+
+def _fp8_with_scales(x: Tensor, scales: Tensor) -> Tensor:
+    """x [T, d] / scales -> float8_e4m3fn [T, round_up(d, 16)] (as ops.quantize
+    rounds: to nearest even, saturating, NaN kept)."""
+    y = x.float() / scales[:, None]
+    y = torch.where(torch.isnan(y), y, y.clamp(-448, 448))
+    v = torch.zeros((x.shape[0], (x.shape[1] + 15) // 16 * 16), dtype=torch.float8_e4m3fn, device=x.device)
+    v[:, :x.shape[1]] = y.to(torch.float8_e4m3fn)
+    return v
+
+
+def _uniform_doc_scales(scales: Tensor, starts: Tensor, lens: Tensor) -> bool:
+    """Whether every document's tokens share one positive finite scale."""
+    rows, doc = _doc_rows(starts.to(scales.device), lens.to(scales.device))
+    if rows.numel() == 0:
+        return True
+    s = scales[rows]
+    first = scales[starts.to(scales.device, torch.int64).clamp(0, scales.numel() - 1)][doc]
+    return bool(torch.equal(s, first) and (s > 0).all() and torch.isfinite(s).all())
+
+
 # ----------------------------------------------------------------------------
 # Corpus
 # ----------------------------------------------------------------------------
@@ -150,9 +198,12 @@ class Corpus:
     available), ``"pinned"`` (pinned host memory, streamed to ``device`` in
     chunks of about ``chunk_mib`` MiB; for corpora larger than GPU memory) or
     ``"cpu"`` (scored by the CPU kernels). ``quantization``: ``None`` (keep
-    the dtype), ``"int8"`` or ``"fp8"`` (see :func:`quantize_tokens`).
-    Already quantised tokens (int8 / float8_e4m3fn, dim a multiple of 16)
-    come with their per-token ``scales [T]`` and are kept as they are.
+    the dtype), ``"int8"`` (per-token scales, see :func:`quantize_tokens`)
+    or ``"fp8"`` (e4m3, one scale per document: its largest magnitude maps
+    to 448; a float format keeps its relative precision under a shared
+    scale, and the scan applies it to the row maxima). Already quantised
+    tokens (int8 / float8_e4m3fn, dim a multiple of 16) come with their
+    per-token ``scales [T]`` and are kept as they are.
     ``rescore``: with ``quantization``, also keep the original tokens on
     ``"device"``, ``"pinned"`` or ``"cpu"`` memory; :func:`search` then
     scores the compressed corpus for ``oversample x k`` candidates per query
@@ -227,8 +278,14 @@ class Corpus:
             work = dev if dev.type == "cuda" else tokens.device
             vals, scales = [], []
             rows = max(1, (256 << 20) // max(1, 2 * tokens.shape[1]))
+            if quantization == "fp8":
+                per_doc = _fp8_doc_scales(tokens, starts, lens, work, rows)
             for r0 in range(0, tokens.shape[0], rows):
-                v, s = quantize_tokens(tokens[r0:r0 + rows].to(work), quantization)
+                if quantization == "fp8":
+                    s = per_doc[r0:r0 + rows]
+                    v = _fp8_with_scales(tokens[r0:r0 + rows].to(work), s)
+                else:
+                    v, s = quantize_tokens(tokens[r0:r0 + rows].to(work), quantization)
                 vals.append(v.to(home))
                 scales.append(s.to(home))
             tokens = torch.cat(vals) if vals else quantize_tokens(tokens.to(work), quantization)[0].to(home)
@@ -242,6 +299,8 @@ class Corpus:
             tokens, scales, tmask = (t if t is None or t.is_pinned() else t.pin_memory()
                                      for t in (tokens, scales, tmask))
         self.tokens, self.scales, self.token_mask = tokens, scales, tmask
+        # One positive scale per document lets the scan apply it after the max.
+        self.uniform_doc_scales = scales is not None and _uniform_doc_scales(scales, starts, lens)
         self.starts = starts.to(torch.int32).to(dev)
         self.lengths = lens.to(torch.int32).to(dev)
         self._chunks = None
@@ -480,7 +539,7 @@ def search(queries: Tensor, corpus, k: int, *, query_lengths: Optional[Tensor] =
                 ln = corpus.lengths if whole else corpus.lengths[d0 + b0:d0 + b1]
                 if quant is not None:
                     scores, _ = ops.forward_quant(qv, qs, q_start, q_len, qm, tok, sc, st, ln, tmask,
-                                                  None, None, CROSS, Lq, 0)
+                                                  None, None, CROSS, Lq, 0, corpus.uniform_doc_scales)
                 else:
                     scores, _ = ops.forward(q, q_start, q_len, qm, tok, st, ln, tmask, None, None,
                                             CROSS, Lq, 0, False)
