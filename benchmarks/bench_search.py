@@ -84,10 +84,11 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--skip-stream", action="store_true")
     ap.add_argument("--skip-rescore", action="store_true")
+    ap.add_argument("--skip-peers", action="store_true", help="maxsim rows only")
     ap.add_argument("--only", default=None, help="comma list of workload prefixes (and/or 'stream')")
     args = ap.parse_args()
     ms_ = load()
-    P = peers()
+    P = {} if args.skip_peers else peers()
     rows = []
 
     def row(**kw):
