@@ -210,7 +210,10 @@ class Corpus:
     and re-scores those exactly from the originals (the usual tiered set-up:
     the GPU holds the int8 corpus, the host the full-precision one).
     Construction validates the layout (host syncs allowed here; :func:`search`
-    syncs only to gather host-resident originals).
+    syncs only to gather host-resident originals). ``uniform_doc_scales``
+    tells whether every document's tokens share one positive scale (fp8
+    corpora quantised here; checked for prequantised ones): the scan then
+    applies it to the row maxima.
     """
 
     def __init__(self, documents: Tensor, offsets=None, *, lengths=None, mask=None, storage: str = "device",
