@@ -378,8 +378,10 @@ def test_quant_op_tensor_cores_match_reference(ms, kind, dim, lq, nq):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned streaming needs CUDA")
-@pytest.mark.parametrize("kind", [None, "int8"])
+@pytest.mark.parametrize("kind", [None, "int8", "fp8"])
 def test_pinned_streaming_matches_device(ms, kind):
+    if kind == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 corpora need sm_89+")
     g = torch.Generator().manual_seed(9)
     docs, off = packed_corpus(3000, 64, torch.bfloat16, "cpu", g)
     Q = rand(4, 32, 64, dtype=torch.bfloat16, device="cuda", gen=g)
@@ -391,6 +393,10 @@ def test_pinned_streaming_matches_device(ms, kind):
         b = ms.search(Q, pin, 50)
         assert torch.equal(a[1], b[1]) and torch.equal(a[0], b[0])
     cpu = ms.Corpus(docs, off, storage="cpu", quantization=kind)
+    if kind is not None:  # quantised alike wherever the work ran
+        assert torch.equal(cpu.tokens.view(torch.uint8), dev.tokens.cpu().view(torch.uint8))
+        assert torch.equal(cpu.scales, dev.scales.cpu()) and torch.equal(pin.scales, cpu.scales)
+        assert dev.uniform_doc_scales == pin.uniform_doc_scales == cpu.uniform_doc_scales == (kind == "fp8")
     c = ms.search(Q.cpu(), cpu, 50)
     ref = ref_scores(ms, Q.float().cpu(), docs.float(), off) if kind is None else None
     if ref is not None:
