@@ -111,8 +111,8 @@ def _fp8_doc_scales(tokens: Tensor, starts: Tensor, lens: Tensor, work, step: in
     below e4m3's normal range, 2^-6 of the scale, lose bits), and the scan
     can apply one scale per document to the row maxima instead of to every
     product."""
-    if tokens.shape[0] == 0:
-        return torch.empty(0, dtype=torch.float32, device=work)
+    if tokens.shape[0] == 0 or tokens.shape[1] == 0:
+        return torch.ones(tokens.shape[0], dtype=torch.float32, device=work)
     amax = torch.cat([tokens[r0:r0 + step].to(work).float().abs().amax(1) for r0 in range(0, tokens.shape[0], step)])
     amax = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax))
     qmax = amax.new_full((), 448.0)
