@@ -106,11 +106,11 @@ def _doc_rows(starts: Tensor, lens: Tensor) -> tuple[Tensor, Tensor]:
 
 def _fp8_doc_scales(tokens: Tensor, starts: Tensor, lens: Tensor, work, step: int) -> Tensor:
     """fp8 scales [T]: each document's largest finite magnitude / 448, shared
-    by its tokens (rows outside every document keep their own). A float
-    format keeps its relative precision under a shared scale (only values
-    below e4m3's normal range, 2^-6 of the scale, lose bits), and the scan
-    can apply one scale per document to the row maxima instead of to every
-    product."""
+    by its tokens (rows outside every document keep their own), so that the
+    scan can apply one scale per document to the row maxima instead of to
+    every product. A float format keeps most of its relative precision under
+    a shared scale, though not all of it (H100, ColPali-sized random data:
+    top-10 agreement 0.84 per token, 0.76 per document)."""
     if tokens.shape[0] == 0 or tokens.shape[1] == 0:
         return torch.ones(tokens.shape[0], dtype=torch.float32, device=work)
     amax = torch.cat([tokens[r0:r0 + step].to(work).float().abs().amax(1) for r0 in range(0, tokens.shape[0], step)])
@@ -200,8 +200,9 @@ class Corpus:
     ``"cpu"`` (scored by the CPU kernels). ``quantization``: ``None`` (keep
     the dtype), ``"int8"`` (per-token scales, see :func:`quantize_tokens`)
     or ``"fp8"`` (e4m3, one scale per document: its largest magnitude maps
-    to 448; a float format keeps its relative precision under a shared
-    scale, and the scan applies it to the row maxima). Already quantised
+    to 448, and the scan applies it to the row maxima -- faster, somewhat
+    less accurate than per-token scales, which prequantised tokens keep).
+    Already quantised
     tokens (int8 / float8_e4m3fn, dim a multiple of 16) come with their
     per-token ``scales [T]`` and are kept as they are.
     ``rescore``: with ``quantization``, also keep the original tokens on
