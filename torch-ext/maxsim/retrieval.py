@@ -212,9 +212,9 @@ class Corpus:
     the GPU holds the int8 corpus, the host the full-precision one).
     Construction validates the layout (host syncs allowed here; :func:`search`
     syncs only to gather host-resident originals). ``uniform_doc_scales``
-    tells whether every document's tokens share one positive scale (fp8
-    corpora quantised here; checked for prequantised ones): the scan then
-    applies it to the row maxima.
+    tells whether an fp8 corpus's documents each share one positive scale
+    (fp8 corpora quantised here; checked for prequantised fp8 tokens): the
+    scan then applies it to the row maxima.
     """
 
     def __init__(self, documents: Tensor, offsets=None, *, lengths=None, mask=None, storage: str = "device",
@@ -303,8 +303,10 @@ class Corpus:
             tokens, scales, tmask = (t if t is None or t.is_pinned() else t.pin_memory()
                                      for t in (tokens, scales, tmask))
         self.tokens, self.scales, self.token_mask = tokens, scales, tmask
-        # One positive scale per document lets the scan apply it after the max.
-        self.uniform_doc_scales = scales is not None and _uniform_doc_scales(scales, starts, lens)
+        # One positive scale per document lets the fp8 scan apply it after the
+        # max (only the fp8 kernel uses it): true by construction for fp8
+        # quantised here, checked once for prequantised fp8 tokens.
+        self.uniform_doc_scales = quantization == "fp8" and (not prequant or _uniform_doc_scales(scales, starts, lens))
         self.starts = starts.to(torch.int32).to(dev)
         self.lengths = lens.to(torch.int32).to(dev)
         self._chunks = None
