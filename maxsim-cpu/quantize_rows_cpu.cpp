@@ -5,12 +5,14 @@
 
 #include <cmath>
 
+#define MAXSIM_QUANT_HOST_CHECKS
 #include "quantize_rows.h"
 #include "torch_binding.h"
 
 namespace maxsim {
 
-std::tuple<at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& x_in, int64_t kind) {
+std::tuple<at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& x_in, int64_t kind,
+                                                const std::optional<at::Tensor>& given) {
   TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() == 2 &&
                   (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kHalf ||
                    x_in.scalar_type() == at::kBFloat16),
@@ -19,7 +21,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& x_in, int64_t 
   const at::Tensor x = x_in.contiguous();
   const int64_t T = x.size(0), d = x.size(1), dp = quant_rows::padded_dim(d);
   at::Tensor values = at::empty({T, dp}, x.options().dtype(kind == quant_rows::kInt8 ? at::kChar : at::kFloat8_e4m3fn));
-  at::Tensor scales = at::empty({T}, x.options().dtype(at::kFloat));
+  at::Tensor scales = given.has_value() ? quant_rows::given_scales(x, *given) : at::empty({T}, x.options().dtype(at::kFloat));
+  const bool own = !given.has_value();
   const float qm = quant_rows::qmax(kind);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "maxsim_quantize_cpu", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
@@ -28,10 +31,12 @@ std::tuple<at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& x_in, int64_t 
     at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, d)), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
         const scalar_t* xr = xp + r * d;
-        float m = 0.f;
-        for (int64_t c = 0; c < d; ++c) m = quant_rows::amax_step(m, static_cast<float>(xr[c]));
-        const float s = quant_rows::scale_of(m, qm);
-        sp[r] = s;
+        float s = sp[r];
+        if (own) {
+          float m = 0.f;
+          for (int64_t c = 0; c < d; ++c) m = quant_rows::amax_step(m, static_cast<float>(xr[c]));
+          s = sp[r] = quant_rows::scale_of(m, qm);
+        }
         unsigned char* vr = vp + r * dp;
         for (int64_t c = 0; c < dp; ++c) {
           const float y = c < d ? static_cast<float>(xr[c]) / s : 0.f;

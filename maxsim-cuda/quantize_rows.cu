@@ -7,6 +7,7 @@
 #include <cuda_fp8.h>
 
 #include "convert.cuh"
+#define MAXSIM_QUANT_HOST_CHECKS
 #include "quantize_rows.h"
 #include "torch_binding.h"
 
@@ -15,18 +16,23 @@ namespace {
 
 template <typename T, bool FP8>
 __global__ void quantize_rows_kernel(const T* __restrict__ x, int64_t rows, int64_t d, int64_t dp,
-                                     unsigned char* __restrict__ out, float* __restrict__ scales) {
+                                     unsigned char* __restrict__ out, float* __restrict__ scales, bool own) {
   const int lane = threadIdx.x & 31;
   const int64_t nwarps = (int64_t)gridDim.x * (blockDim.x >> 5);
   const float qm = quant_rows::qmax(FP8 ? quant_rows::kFp8 : quant_rows::kInt8);
   for (int64_t r = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < rows; r += nwarps) {
     const T* xr = x + r * d;
-    float m = 0.f;
-    for (int64_t c = lane; c < d; c += 32) m = quant_rows::amax_step(m, cuda_cvt::to_f(xr[c]));
+    float s;
+    if (own) {
+      float m = 0.f;
+      for (int64_t c = lane; c < d; c += 32) m = quant_rows::amax_step(m, cuda_cvt::to_f(xr[c]));
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) m = quant_rows::amax_step(m, __shfl_xor_sync(0xffffffffu, m, o));
-    const float s = quant_rows::scale_of(m, qm);
-    if (lane == 0) scales[r] = s;
+      for (int o = 16; o > 0; o >>= 1) m = quant_rows::amax_step(m, __shfl_xor_sync(0xffffffffu, m, o));
+      s = quant_rows::scale_of(m, qm);
+      if (lane == 0) scales[r] = s;
+    } else {
+      s = scales[r];
+    }
     unsigned char* vr = out + r * dp;
     for (int64_t c = lane; c < dp; c += 32) {
       const float y = c < d ? __fdiv_rn(cuda_cvt::to_f(xr[c]), s) : 0.f;
@@ -40,7 +46,7 @@ __global__ void quantize_rows_kernel(const T* __restrict__ x, int64_t rows, int6
 }
 
 template <typename T>
-void launch(const at::Tensor& x, int64_t kind, at::Tensor& values, at::Tensor& scales) {
+void launch(const at::Tensor& x, int64_t kind, at::Tensor& values, at::Tensor& scales, bool own) {
   const int64_t T_ = x.size(0);
   const int threads = 256, per_block = threads / 32;
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
@@ -50,16 +56,17 @@ void launch(const at::Tensor& x, int64_t kind, at::Tensor& values, at::Tensor& s
   auto* vp = reinterpret_cast<unsigned char*>(values.data_ptr());
   if (kind == quant_rows::kFp8)
     quantize_rows_kernel<T, true><<<(unsigned)blocks, threads, 0, stream>>>(xp, T_, x.size(1), values.size(1), vp,
-                                                                          scales.data_ptr<float>());
+                                                                          scales.data_ptr<float>(), own);
   else
     quantize_rows_kernel<T, false><<<(unsigned)blocks, threads, 0, stream>>>(xp, T_, x.size(1), values.size(1), vp,
-                                                                           scales.data_ptr<float>());
+                                                                           scales.data_ptr<float>(), own);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x_in, int64_t kind) {
+std::tuple<at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x_in, int64_t kind,
+                                                 const std::optional<at::Tensor>& given) {
   TORCH_CHECK(x_in.is_cuda() && x_in.dim() == 2 &&
                   (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kHalf ||
                    x_in.scalar_type() == at::kBFloat16),
@@ -69,14 +76,15 @@ std::tuple<at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x_in, int64_t
   const at::Tensor x = x_in.contiguous();
   const int64_t T = x.size(0), dp = quant_rows::padded_dim(x.size(1));
   at::Tensor values = at::empty({T, dp}, x.options().dtype(kind == quant_rows::kInt8 ? at::kChar : at::kFloat8_e4m3fn));
-  at::Tensor scales = at::empty({T}, x.options().dtype(at::kFloat));
+  at::Tensor scales = given.has_value() ? quant_rows::given_scales(x, *given) : at::empty({T}, x.options().dtype(at::kFloat));
+  const bool own = !given.has_value();
   if (T == 0) return {values, scales};
   if (x.scalar_type() == at::kHalf)
-    launch<__half>(x, kind, values, scales);
+    launch<__half>(x, kind, values, scales, own);
   else if (x.scalar_type() == at::kBFloat16)
-    launch<__nv_bfloat16>(x, kind, values, scales);
+    launch<__nv_bfloat16>(x, kind, values, scales, own);
   else
-    launch<float>(x, kind, values, scales);
+    launch<float>(x, kind, values, scales, own);
   return {values, scales};
 }
 

@@ -304,6 +304,32 @@ def test_quantize_op_matches_reference(ms, device, kind, dtype):
         assert torch.equal(v.view(torch.uint8), rv.view(torch.uint8))
         if T > 4:
             assert s[1] == 1 and s[3] == 1 and torch.all(v[1].view(torch.uint8) == 0)
+        # Given scales (one per row; shared, smaller and larger than the rows' own,
+        # so values saturate): bitwise the reference too, and the scales come back.
+        given = (torch.rand(x.shape[0], generator=g) * 0.05 + 0.001).to(device)
+        if T > 4:
+            given[4] = 1e-6  # every value of row 4 saturates
+        v, s = ms.ops.quantize(x, kind, given)
+        rv, rs = ms.reference.quantize(x, kind, scales=given)
+        assert torch.equal(s, given) and torch.equal(rs, given)
+        assert T == 0 or s.data_ptr() != given.data_ptr()
+        assert torch.equal(v.view(torch.uint8), rv.view(torch.uint8))
+        if T > 4 and x.shape[1] > 1:
+            row = v[4, : x.shape[1]].float()
+            top = 127 if kind == 0 else 448
+            nz = x[4].float() != 0
+            assert torch.all(row[nz].abs() == top)
+
+
+def test_quantize_given_scales_checked(ms):
+    x = torch.randn(6, 16)
+    for bad in (torch.ones(5), torch.ones(6, 1), torch.ones(6, dtype=torch.int32)):
+        with pytest.raises((RuntimeError, ValueError)):
+            ms.ops.quantize(x, 1, bad)
+    with pytest.raises(ValueError):
+        ms.quantize_tokens(x, "fp8", torch.ones(5))
+    v, s = ms.quantize_tokens(x, "fp8", torch.full((6,), 0.5, dtype=torch.float64))
+    assert s.dtype == torch.float32 and torch.equal(v.float()[:, :16], (x / 0.5).to(torch.float8_e4m3fn).float())
 
 
 def test_quant_op_matches_reference_op(ms):

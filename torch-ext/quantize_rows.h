@@ -3,7 +3,8 @@
 // x [T, d] becomes values [T, dp] (dp = d rounded up to 16, zero-padded) and
 // scales[r] = amax_r / qmax (1 for an all-zero row, or one holding NaN), with
 // values = round-to-nearest-even(x / scale) (int8: clamped to +-127, NaN -> 0;
-// fp8 e4m3: saturating to +-448).
+// fp8 e4m3: saturating to +-448). Given scales replace amax_r / qmax; the
+// rounding is the same.
 #pragma once
 
 #if defined(__CUDACC__)
@@ -34,3 +35,20 @@ MAXSIM_QHD inline signed char int8_of_rounded(float y) {
 
 }  // namespace quant_rows
 }  // namespace maxsim
+
+#if !defined(__CUDACC_RTC__) && defined(MAXSIM_QUANT_HOST_CHECKS)
+#include <ATen/ATen.h>
+namespace maxsim {
+namespace quant_rows {
+// Given scales: fp32 [T] on x's device (contiguous copy returned).
+inline at::Tensor given_scales(const at::Tensor& x, const at::Tensor& s) {
+  TORCH_CHECK(s.scalar_type() == at::kFloat && s.dim() == 1 && s.size(0) == x.size(0),
+              "maxsim: quantize scales must be a float32 [T] tensor with T = x.shape[0] = ", x.size(0),
+              ", got ", s.scalar_type(), " of shape ", s.sizes());
+  TORCH_CHECK(s.device() == x.device(), "maxsim: quantize scales must be on x's device (", x.device(), "), got ",
+              s.device());
+  return s.contiguous().clone();
+}
+}  // namespace quant_rows
+}  // namespace maxsim
+#endif

@@ -23,7 +23,7 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
       "Tensor? q_mask, Tensor d, Tensor d_scale, Tensor d_start, Tensor d_len, "
       "Tensor? d_mask, Tensor? pair_q, Tensor? pair_d, int layout, int lq, "
       "int argmax_kind, bool uniform_doc_scales=False) -> (Tensor scores, Tensor argmax)");
-  ops.def("quantize(Tensor x, int kind) -> (Tensor values, Tensor scales)");
+  ops.def("quantize(Tensor x, int kind, Tensor? scales=None) -> (Tensor values, Tensor scales)");
   ops.def("block_topk(Tensor scores, int id0, int k, Tensor? ids=None) -> Tensor keys");
   ops.def("decode_keys(Tensor keys) -> (Tensor scores, Tensor ids)");
   ops.def(

@@ -69,8 +69,10 @@ using ForwardQuantFn = std::tuple<at::Tensor, at::Tensor>(
 
 // Per-token symmetric quantisation of x [T, d] (float): kind 0 int8, 1 fp8
 // e4m3. Returns (values [T, round_up(d, 16)], scales [T] fp32); semantics in
-// quantize_rows.h.
-using QuantizeFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor& x, int64_t kind);
+// quantize_rows.h. Given `scales` (fp32 [T], on x's device), rows are divided
+// by them instead of by their own amax / qmax; the result's scales are a copy.
+using QuantizeFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor& x, int64_t kind,
+                                                      const std::optional<at::Tensor>& scales);
 
 // Search helpers (contract in torch-ext/maxsim/retrieval.py): block_topk
 // packs scores [R, n] fp32 with document ids id0 .. id0+n-1 into int64 keys

@@ -61,7 +61,7 @@ def _forward_quant_fake(q, q_scale, q_start, q_len, q_mask, d, d_scale, d_start,
 
 
 @torch.library.register_fake(QUANTIZE)
-def _quantize_fake(x, kind):
+def _quantize_fake(x, kind, scales=None):
     dp = (x.shape[1] + 15) // 16 * 16
     vt = torch.int8 if kind == 0 else torch.float8_e4m3fn
     return x.new_empty((x.shape[0], dp), dtype=vt), x.new_empty((x.shape[0],), dtype=torch.float32)
@@ -106,9 +106,9 @@ def _reference_forward_quant(q, q_scale, q_start, q_len, q_mask, d, d_scale, d_s
                                    d_mask, pair_q, pair_d, layout, lq, argmax_kind)
 
 
-def _reference_quantize(x, kind):
+def _reference_quantize(x, kind, scales=None):
     _warn_fallback("quantize", x.device.type)
-    return reference.quantize(x, kind)
+    return reference.quantize(x, kind, scales=scales)
 
 
 def _reference_block_topk(scores, id0, k, ids=None):

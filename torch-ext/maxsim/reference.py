@@ -100,17 +100,18 @@ def normalize_backward(g, x):
     return (g - xh * c) * inv
 
 
-def quantize(x, kind: int, rows_per_block: int = 0):
+def quantize(x, kind: int, rows_per_block: int = 0, scales=None):
     """Reference for ``ops.quantize`` (kind 0 int8, 1 fp8 e4m3): per-row
-    symmetric scales ``amax / qmax`` (1 for a zero or NaN row), values rounded
-    to nearest even (int8 clamped to +-127, NaN -> 0; fp8 saturating to +-448),
-    the dim zero-padded to a multiple of 16. Works in blocks of rows to bound
-    the fp32 temporary."""
+    symmetric scales ``amax / qmax`` (1 for a zero or NaN row) unless
+    ``scales`` [T] are given, values rounded to nearest even (int8 clamped
+    to +-127, NaN -> 0; fp8 saturating to +-448), the dim zero-padded to a
+    multiple of 16. Works in blocks of rows to bound the fp32 temporary."""
     T, d = x.shape
     dp = (d + 15) // 16 * 16
     qmax = 127.0 if kind == 0 else 448.0
     values = torch.zeros((T, dp), dtype=torch.int8 if kind == 0 else torch.float8_e4m3fn, device=x.device)
-    scales = torch.empty((T,), dtype=torch.float32, device=x.device)
+    given = scales
+    scales = torch.empty((T,), dtype=torch.float32, device=x.device) if given is None else given.float().clone()
     step = rows_per_block or max(1, (64 << 20) // max(1, 4 * dp))
     for r0 in range(0, T, step):
         xb = x[r0:r0 + step].to(torch.float32)
@@ -118,6 +119,8 @@ def quantize(x, kind: int, rows_per_block: int = 0):
         # a true division (torch turns division by a Python scalar into a
         # multiplication by its reciprocal on CUDA, one ulp off the kernels)
         s = torch.where(amax > 0, amax / amax.new_full((), qmax), torch.ones_like(amax))
+        if given is not None:
+            s = scales[r0:r0 + step]
         y = xb / s[:, None]
         if kind == 0:
             y = torch.nan_to_num(y.round_(), nan=0.0).clamp_(-127, 127)

@@ -79,21 +79,29 @@ def merge_topk(keys: Tensor, k: int) -> Tensor:
 # quantisation
 # ----------------------------------------------------------------------------
 
-def quantize_tokens(x: Tensor, kind: str) -> tuple[Tensor, Tensor]:
+def quantize_tokens(x: Tensor, kind: str, scales: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Per-token symmetric quantisation of ``x [T, d]``.
 
     ``kind`` is ``"int8"`` (round to nearest even, [-127, 127]) or ``"fp8"``
     (float8_e4m3fn, the row's max magnitude mapped to 448). The dim is
     zero-padded to a multiple of 16 (exact: zero columns add nothing).
     Returns ``(values [T, d_pad], scales [T] fp32)``; row r stands for
-    ``scales[r] * values[r]`` (an all-zero row gets scale 1). One kernel on
-    CPU and CUDA (``ops.quantize``), no fp32 temporary.
+    ``scales[r] * values[r]`` (an all-zero row gets scale 1). ``scales [T]``
+    (positive, on x's device), when given, are used instead of each row's
+    own (values saturate as above), e.g. one scale per document. One kernel
+    on CPU and CUDA (``ops.quantize``), no fp32 temporary.
     """
     if kind not in _QKIND:
         raise ValueError(f"quantization must be 'int8' or 'fp8', got {kind!r}")
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in _FLOATS:
         raise TypeError("quantize_tokens expects a float [T, d] tensor")
-    return ops.quantize(x, _QKIND[kind])
+    if scales is not None:
+        if not isinstance(scales, torch.Tensor) or scales.dim() != 1 or scales.shape[0] != x.shape[0]:
+            raise ValueError(f"scales must be a [T] tensor with T = {x.shape[0]}")
+        if scales.device != x.device:
+            raise ValueError(f"scales must be on x's device ({x.device}), got {scales.device}")
+        scales = scales.to(torch.float32)
+    return ops.quantize(x, _QKIND[kind], scales)
 
 
 def _doc_rows(starts: Tensor, lens: Tensor) -> tuple[Tensor, Tensor]:
@@ -122,16 +130,6 @@ def _fp8_doc_scales(tokens: Tensor, starts: Tensor, lens: Tensor, work, step: in
     dmax = amax.new_zeros(starts.numel()).scatter_reduce_(0, doc, amax[rows], "amax")
     scales[rows] = torch.where(dmax > 0, dmax / qmax, torch.ones_like(dmax))[doc]
     return scales
-
-
-def _fp8_with_scales(x: Tensor, scales: Tensor) -> Tensor:
-    """x [T, d] / scales -> float8_e4m3fn [T, round_up(d, 16)] (as ops.quantize
-    rounds: to nearest even, saturating, NaN kept)."""
-    y = x.float() / scales[:, None]
-    y = torch.where(torch.isnan(y), y, y.clamp(-448, 448))
-    v = torch.zeros((x.shape[0], (x.shape[1] + 15) // 16 * 16), dtype=torch.float8_e4m3fn, device=x.device)
-    v[:, :x.shape[1]] = y.to(torch.float8_e4m3fn)
-    return v
 
 
 def _uniform_doc_scales(scales: Tensor, starts: Tensor, lens: Tensor) -> bool:
@@ -285,11 +283,8 @@ class Corpus:
             if quantization == "fp8":
                 per_doc = _fp8_doc_scales(tokens, starts, lens, work, rows)
             for r0 in range(0, tokens.shape[0], rows):
-                if quantization == "fp8":
-                    s = per_doc[r0:r0 + rows]
-                    v = _fp8_with_scales(tokens[r0:r0 + rows].to(work), s)
-                else:
-                    v, s = quantize_tokens(tokens[r0:r0 + rows].to(work), quantization)
+                given = per_doc[r0:r0 + rows] if quantization == "fp8" else None
+                v, s = quantize_tokens(tokens[r0:r0 + rows].to(work), quantization, given)
                 vals.append(v.to(home))
                 scales.append(s.to(home))
             tokens = torch.cat(vals) if vals else quantize_tokens(tokens.to(work), quantization)[0].to(home)
