@@ -40,13 +40,16 @@ MAXSIM_QHD inline signed char int8_of_rounded(float y) {
 #include <ATen/ATen.h>
 namespace maxsim {
 namespace quant_rows {
-// Given scales: fp32 [T] on x's device (contiguous copy returned).
-inline at::Tensor given_scales(const at::Tensor& x, const at::Tensor& s) {
-  TORCH_CHECK(s.scalar_type() == at::kFloat && s.dim() == 1 && s.size(0) == x.size(0),
-              "maxsim: quantize scales must be a float32 [T] tensor with T = x.shape[0] = ", x.size(0),
-              ", got ", s.scalar_type(), " of shape ", s.sizes());
-  TORCH_CHECK(s.device() == x.device(), "maxsim: quantize scales must be on x's device (", x.device(), "), got ",
-              s.device());
+// Given scales: fp32 [T] on x's device (a copy returned). Internal linkage:
+// each backend's translation unit keeps its own copy.
+static inline at::Tensor given_scales(const at::Tensor& x, const at::Tensor& s) {
+  // Literal messages: a formatted one (c10::str, i.e. std::ostringstream in
+  // this library) segfaulted when thrown on the lent H100 image (torch
+  // 2.11.0+cu130 wheel, extension built by the image's g++ 13.3; any
+  // extension there, see docs/perf-notes.md, session 14).
+  TORCH_CHECK(s.scalar_type() == at::kFloat, "maxsim: quantize scales must be float32");
+  TORCH_CHECK(s.dim() == 1 && s.size(0) == x.size(0), "maxsim: quantize scales must be [T], T = x.shape[0]");
+  TORCH_CHECK(s.device() == x.device(), "maxsim: quantize scales must be on x's device");
   return s.contiguous().clone();
 }
 }  // namespace quant_rows
