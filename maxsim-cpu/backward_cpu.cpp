@@ -189,9 +189,8 @@ void backward_impl(const float* grad, const T* q, const T* d, int64_t Tq, int64_
 }
 
 inline void check_index(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kInt && t.dim() == 1 &&
-                  t.is_contiguous(),
-              "maxsim backward_cpu: ", name, " must be a contiguous 1-D int32 CPU tensor");
+  MAXSIM_CHECK(t.device().is_cpu() && t.scalar_type() == at::kInt && t.dim() == 1 && t.is_contiguous(),
+               "maxsim backward_cpu: %s must be a contiguous 1-D int32 CPU tensor", name);
 }
 
 }  // namespace
@@ -216,7 +215,7 @@ std::tuple<at::Tensor, at::Tensor> backward_cpu(
   check_index(d_start, "d_start"), check_index(d_len, "d_len");
   TORCH_CHECK(q_start.numel() == q_len.numel() && d_start.numel() == d_len.numel(),
               "maxsim backward_cpu: start/len size mismatch");
-  TORCH_CHECK(layout >= kCross && layout <= kList, "maxsim backward_cpu: bad layout ", layout);
+  MAXSIM_CHECK(layout >= kCross && layout <= kList, "maxsim backward_cpu: bad layout %lld", (long long)layout);
   TORCH_CHECK(argmax.device().is_cpu() && argmax.is_contiguous() &&
                   (argmax.scalar_type() == at::kInt || argmax.scalar_type() == at::kShort) &&
                   (argmax.dim() == 2 || argmax.numel() == 0),
@@ -244,7 +243,8 @@ std::tuple<at::Tensor, at::Tensor> backward_cpu(
                 "maxsim backward_cpu: LIST index size mismatch");
     expectP = pair_q->numel();
   }
-  TORCH_CHECK(P == 0 || P == expectP, "maxsim backward_cpu: argmax has ", P, " rows, expected ", expectP);
+  MAXSIM_CHECK(P == 0 || P == expectP, "maxsim backward_cpu: argmax has %lld rows, expected %lld", (long long)P,
+               (long long)expectP);
 
   at::Tensor dq = need_dq ? at::empty(q.sizes(), q.options()) : q.new_empty({0});
   at::Tensor dd = need_dd ? at::empty(d.sizes(), d.options()) : d.new_empty({0});

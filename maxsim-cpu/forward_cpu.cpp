@@ -282,9 +282,8 @@ void forward_f64(const double* q, const double* d, int64_t dim, int64_t Tq, int6
 }
 
 inline void check_index(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kInt && t.dim() == 1 &&
-                  t.is_contiguous(),
-              "maxsim forward_cpu: ", name, " must be a contiguous 1-D int32 CPU tensor");
+  MAXSIM_CHECK(t.device().is_cpu() && t.scalar_type() == at::kInt && t.dim() == 1 && t.is_contiguous(),
+               "maxsim forward_cpu: %s must be a contiguous 1-D int32 CPU tensor", name);
 }
 
 }  // namespace
@@ -315,9 +314,9 @@ std::tuple<at::Tensor, at::Tensor> forward_cpu(
                     t.is_contiguous() && t.numel() == (m == &q_mask ? q : d).size(0),
                 "maxsim forward_cpu: masks must be contiguous bool [T] CPU tensors");
   }
-  TORCH_CHECK(layout >= kCross && layout <= kList, "maxsim forward_cpu: bad layout ", layout);
-  TORCH_CHECK(argmax_kind >= kNoArgmax && argmax_kind <= kArgmaxI16,
-              "maxsim forward_cpu: bad argmax_kind ", argmax_kind);
+  MAXSIM_CHECK(layout >= kCross && layout <= kList, "maxsim forward_cpu: bad layout %lld", (long long)layout);
+  MAXSIM_CHECK(argmax_kind >= kNoArgmax && argmax_kind <= kArgmaxI16, "maxsim forward_cpu: bad argmax_kind %lld",
+               (long long)argmax_kind);
   TORCH_CHECK(lq >= 0, "maxsim forward_cpu: lq must be >= 0");
 
   const int64_t Nq = q_start.numel(), Nd = d_start.numel();

@@ -39,8 +39,8 @@ namespace {
 constexpr int64_t kMaxGrid = (int64_t)1 << 30;
 
 void check_index(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.is_cuda() && t.scalar_type() == at::kInt && t.dim() == 1 && t.is_contiguous(), "maxsim backward: ",
-              name, " must be a contiguous 1-D int32 CUDA tensor");
+  MAXSIM_CHECK(t.is_cuda() && t.scalar_type() == at::kInt && t.dim() == 1 && t.is_contiguous(),
+               "maxsim backward: %s must be a contiguous 1-D int32 CUDA tensor", name);
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -262,7 +262,7 @@ std::tuple<at::Tensor, at::Tensor> backward_cuda(
   const auto dtype = q_in.scalar_type();
   TORCH_CHECK(dtype == d_in.scalar_type() && (dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16),
               "maxsim backward: q and d must share dtype float32, float16 or bfloat16");
-  TORCH_CHECK(layout >= kCross && layout <= kList, "maxsim backward: bad layout ", layout);
+  MAXSIM_CHECK(layout >= kCross && layout <= kList, "maxsim backward: bad layout %lld", (long long)layout);
   check_index(q_start, "q_start");
   check_index(q_len, "q_len");
   check_index(d_start, "d_start");
@@ -322,7 +322,8 @@ std::tuple<at::Tensor, at::Tensor> backward_cuda(
       TORCH_CHECK(dp.numel() == Nd + 1 && dpp.numel() == expectP, "maxsim backward: d_ptr / d_pairs size mismatch");
     }
   }
-  TORCH_CHECK(P == 0 || P == expectP, "maxsim backward: argmax has ", P, " rows, expected ", expectP);
+  MAXSIM_CHECK(P == 0 || P == expectP, "maxsim backward: argmax has %lld rows, expected %lld", (long long)P,
+               (long long)expectP);
   const at::Tensor grad = grad_in.contiguous();
 
   const bool work = P > 0 && lq > 0 && dim > 0;

@@ -13,6 +13,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "check.h"
+
 namespace maxsim {
 namespace cuda_fwd {
 

@@ -251,8 +251,8 @@ void launch_finalize(bool arg, const FwdParams& p, cudaStream_t st) {
 }
 
 void check_index(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.is_cuda() && t.scalar_type() == at::kInt && t.dim() == 1 && t.is_contiguous(), "maxsim: ", name,
-              " must be a contiguous 1-D int32 CUDA tensor");
+  MAXSIM_CHECK(t.is_cuda() && t.scalar_type() == at::kInt && t.dim() == 1 && t.is_contiguous(),
+               "maxsim: %s must be a contiguous 1-D int32 CUDA tensor", name);
 }
 
 }  // namespace
@@ -443,7 +443,8 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
     if (cfg < 0) use_mma = false;
   }
   if (g_forced_cfg == -2 && !quant) use_mma = false;
-  TORCH_CHECK(use_mma || !quant, "maxsim: quantized query tile of dim ", dim, " does not fit in shared memory");
+  MAXSIM_CHECK(use_mma || !quant, "maxsim: quantized query tile of dim %lld does not fit in shared memory",
+               (long long)dim);
   // sm_90a wgmma + TMA kernel when its 128-row M tile is (nearly) full.
   const int64_t wg_rows = std::min<int64_t>(query_rows_per_token(layout, Nq, lq), kWgBM);
   const bool use_wg = use_mma && dtype != at::kFloat && g_forced_cfg < 0 && prop->major == 9 &&

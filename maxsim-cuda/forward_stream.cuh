@@ -330,7 +330,7 @@ void launch_stream_mt(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st
   if (p.stream_split != 2 && p.stream_split != 4) p.stream_split = 1;
   const auto blocks = [&] { return (p.P * p.stream_split + kStreamWarps - 1) / kStreamWarps; };
   if (blocks() > INT32_MAX) p.stream_split = 1;
-  TORCH_CHECK(blocks() <= INT32_MAX, "maxsim: too many pairs (", p.P, ") for one launch");
+  MAXSIM_CHECK(blocks() <= INT32_MAX, "maxsim: too many pairs (%lld) for one launch", (long long)p.P);
   if (p.stream_il < 0) p.stream_il = b16 ? 1 : 0;
   if (p.stream_qsm < 0) p.stream_qsm = p.stream_split >= 4 ? 1 : 0;
   kern<<<(unsigned)blocks(), kStreamWarps * 32, 0, st>>>(p);
@@ -352,7 +352,7 @@ void run_stream_impl(const FwdParams& p, int64_t mean_ld, int num_sms, cudaStrea
     case 128: launch_stream<T, 4>(p, mean_ld, num_sms, st); break;
     case 192: launch_stream<T, 6>(p, mean_ld, num_sms, st); break;
     case 256: launch_stream<T, 8>(p, mean_ld, num_sms, st); break;
-    default: TORCH_CHECK(false, "maxsim: streaming kernel: rows of ", p.row_bytes, " bytes not supported");
+    default: MAXSIM_CHECK(false, "maxsim: streaming kernel: rows of %lld bytes not supported", (long long)p.row_bytes);
   }
 }
 

@@ -909,7 +909,7 @@ inline void launch_wgmma(bool arg, const FwdParams& p, int64_t dim, int64_t item
   CUresult r = wg_encode_fn()(&map, dt, 2, const_cast<char*>(p.d), gdim, gstride, box, estride,
                               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  TORCH_CHECK(r == CUDA_SUCCESS, "maxsim: cuTensorMapEncodeTiled failed (", (int)r, ")");
+  MAXSIM_CHECK(r == CUDA_SUCCESS, "maxsim: cuTensorMapEncodeTiled failed (%d)", (int)r);
   CUtensorMap qmap;  // query tiles of consecutive rows (the loader's TMA path)
   {
     cuuint64_t qdim[2] = {(cuuint64_t)dim, (cuuint64_t)std::max<int64_t>(p.Tq, 1)};
@@ -917,7 +917,7 @@ inline void launch_wgmma(bool arg, const FwdParams& p, int64_t dim, int64_t item
     r = wg_encode_fn()(&qmap, dt, 2, const_cast<char*>(p.q), qdim, gstride, qbox, estride,
                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    TORCH_CHECK(r == CUDA_SUCCESS, "maxsim: cuTensorMapEncodeTiled (queries) failed (", (int)r, ")");
+    MAXSIM_CHECK(r == CUDA_SUCCESS, "maxsim: cuTensorMapEncodeTiled (queries) failed (%d)", (int)r);
   }
   smap = map;  // unused by unscaled kernels
   if (SC != kScNone) {  // doc-token scales, one BN-row box per stage (rows past Td read as 0)
@@ -928,7 +928,7 @@ inline void launch_wgmma(bool arg, const FwdParams& p, int64_t dim, int64_t item
     r = wg_encode_fn()(&smap, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 1, const_cast<float*>(p.d_scale), sdim, sgstride, sbox,
                        sstride, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
                        CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    TORCH_CHECK(r == CUDA_SUCCESS, "maxsim: cuTensorMapEncodeTiled (scales) failed (", (int)r, ")");
+    MAXSIM_CHECK(r == CUDA_SUCCESS, "maxsim: cuTensorMapEncodeTiled (scales) failed (%d)", (int)r);
   }
   const unsigned grid = (unsigned)std::min<int64_t>(nitems, std::max(1, num_sms));
   const bool small = p.row_bytes <= 128;

@@ -127,3 +127,21 @@ def test_train_without_argmax_is_a_clear_error(ms, device):
     s = ms.score_contrastive(Q, D.reshape(-1, 8), torch.tensor([0, 5, 10, 15], device=device))
     with pytest.raises(RuntimeError, match="_train"):
         s.sum().backward()
+
+
+def test_op_level_checks_raise(ms, device):
+    """The ops' own checks (reached only by calling ``ops.*`` directly) raise
+    RuntimeError with their formatted message, on every backend."""
+    q, d = rand(4, 8, device=device), rand(6, 8, device=device)
+
+    def i32(*v):
+        return torch.tensor(v, dtype=torch.int32, device=device)
+
+    args = [q, i32(0), i32(4), None, d, i32(0), i32(6), None, None, None, 0, 4, 0, False, False]
+    bad_start = list(args)
+    bad_start[1] = i32(0).long()
+    raises(RuntimeError, "q_start must be a contiguous 1-D int32", ms.ops.forward, *bad_start)
+    bad_layout = list(args)
+    bad_layout[10] = 7
+    raises(RuntimeError, "layout", ms.ops.forward, *bad_layout)
+    raises(RuntimeError, "T = x.shape.0. = 4", ms.ops.quantize, q, 0, torch.ones(3, device=device))

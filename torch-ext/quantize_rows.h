@@ -38,17 +38,15 @@ MAXSIM_QHD inline signed char int8_of_rounded(float y) {
 
 #if !defined(__CUDACC_RTC__) && defined(MAXSIM_QUANT_HOST_CHECKS)
 #include <ATen/ATen.h>
+
+#include "check.h"
 namespace maxsim {
 namespace quant_rows {
-// Given scales: fp32 [T] on x's device (a copy returned). Internal linkage:
-// each backend's translation unit keeps its own copy.
+// Given scales: fp32 [T] on x's device (a copy returned).
 static inline at::Tensor given_scales(const at::Tensor& x, const at::Tensor& s) {
-  // Literal messages: a formatted one (c10::str, i.e. std::ostringstream in
-  // this library) segfaulted when thrown on the lent H100 image (torch
-  // 2.11.0+cu130 wheel, extension built by the image's g++ 13.3; any
-  // extension there, see docs/perf-notes.md, session 14).
-  TORCH_CHECK(s.scalar_type() == at::kFloat, "maxsim: quantize scales must be float32");
-  TORCH_CHECK(s.dim() == 1 && s.size(0) == x.size(0), "maxsim: quantize scales must be [T], T = x.shape[0]");
+  MAXSIM_CHECK(s.scalar_type() == at::kFloat, "maxsim: quantize scales must be float32");
+  MAXSIM_CHECK(s.dim() == 1 && s.size(0) == x.size(0), "maxsim: quantize scales must be [T] with T = x.shape[0] = %lld",
+               (long long)x.size(0));
   TORCH_CHECK(s.device() == x.device(), "maxsim: quantize scales must be on x's device");
   return s.contiguous().clone();
 }

@@ -35,6 +35,7 @@
 // row sum before rounding it to the input dtype.
 #pragma once
 
+#include "check.h"
 #include <torch/torch.h>
 
 #include <tuple>

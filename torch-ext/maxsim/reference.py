@@ -111,6 +111,8 @@ def quantize(x, kind: int, rows_per_block: int = 0, scales=None):
     qmax = 127.0 if kind == 0 else 448.0
     values = torch.zeros((T, dp), dtype=torch.int8 if kind == 0 else torch.float8_e4m3fn, device=x.device)
     given = scales
+    if given is not None and (given.dim() != 1 or given.shape[0] != T):
+        raise RuntimeError(f"maxsim: quantize scales must be [T] with T = x.shape[0] = {T}")
     scales = torch.empty((T,), dtype=torch.float32, device=x.device) if given is None else given.float().clone()
     step = rows_per_block or max(1, (64 << 20) // max(1, 4 * dp))
     for r0 in range(0, T, step):
