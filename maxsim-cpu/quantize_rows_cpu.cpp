@@ -5,7 +5,6 @@
 
 #include <cmath>
 
-#define MAXSIM_QUANT_HOST_CHECKS
 #include "quantize_rows.h"
 #include "torch_binding.h"
 
@@ -21,7 +20,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& x_in, int64_t 
   const at::Tensor x = x_in.contiguous();
   const int64_t T = x.size(0), d = x.size(1), dp = quant_rows::padded_dim(d);
   at::Tensor values = at::empty({T, dp}, x.options().dtype(kind == quant_rows::kInt8 ? at::kChar : at::kFloat8_e4m3fn));
-  at::Tensor scales = given.has_value() ? quant_rows::given_scales(x, *given) : at::empty({T}, x.options().dtype(at::kFloat));
+  at::Tensor scales = quant_rows::scales_out(x, given);
   const bool own = !given.has_value();
   const float qm = quant_rows::qmax(kind);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "maxsim_quantize_cpu", [&] {

@@ -7,7 +7,6 @@
 #include <cuda_fp8.h>
 
 #include "convert.cuh"
-#define MAXSIM_QUANT_HOST_CHECKS
 #include "quantize_rows.h"
 #include "torch_binding.h"
 
@@ -76,7 +75,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x_in, int64_t
   const at::Tensor x = x_in.contiguous();
   const int64_t T = x.size(0), dp = quant_rows::padded_dim(x.size(1));
   at::Tensor values = at::empty({T, dp}, x.options().dtype(kind == quant_rows::kInt8 ? at::kChar : at::kFloat8_e4m3fn));
-  at::Tensor scales = given.has_value() ? quant_rows::given_scales(x, *given) : at::empty({T}, x.options().dtype(at::kFloat));
+  at::Tensor scales = quant_rows::scales_out(x, given);
   const bool own = !given.has_value();
   if (T == 0) return {values, scales};
   if (x.scalar_type() == at::kHalf)

@@ -36,14 +36,19 @@ MAXSIM_QHD inline signed char int8_of_rounded(float y) {
 }  // namespace quant_rows
 }  // namespace maxsim
 
-#if !defined(__CUDACC_RTC__) && defined(MAXSIM_QUANT_HOST_CHECKS)
 #include <ATen/ATen.h>
 
+#include <optional>
+
 #include "check.h"
+
 namespace maxsim {
 namespace quant_rows {
-// Given scales: fp32 [T] on x's device (a copy returned).
-static inline at::Tensor given_scales(const at::Tensor& x, const at::Tensor& s) {
+// The op's scales output: a checked copy of the given scales (fp32 [T] on
+// x's device), or an empty [T] tensor for the kernel to fill.
+inline at::Tensor scales_out(const at::Tensor& x, const std::optional<at::Tensor>& given) {
+  if (!given.has_value()) return at::empty({x.size(0)}, x.options().dtype(at::kFloat));
+  const at::Tensor& s = *given;
   MAXSIM_CHECK(s.scalar_type() == at::kFloat, "maxsim: quantize scales must be float32");
   MAXSIM_CHECK(s.dim() == 1 && s.size(0) == x.size(0), "maxsim: quantize scales must be [T] with T = x.shape[0] = %lld",
                (long long)x.size(0));
@@ -52,4 +57,3 @@ static inline at::Tensor given_scales(const at::Tensor& x, const at::Tensor& s) 
 }
 }  // namespace quant_rows
 }  // namespace maxsim
-#endif

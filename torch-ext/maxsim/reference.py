@@ -117,11 +117,12 @@ def quantize(x, kind: int, rows_per_block: int = 0, scales=None):
     step = rows_per_block or max(1, (64 << 20) // max(1, 4 * dp))
     for r0 in range(0, T, step):
         xb = x[r0:r0 + step].to(torch.float32)
-        amax = xb.abs().amax(dim=1) if d else xb.new_zeros(xb.shape[0])
-        # a true division (torch turns division by a Python scalar into a
-        # multiplication by its reciprocal on CUDA, one ulp off the kernels)
-        s = torch.where(amax > 0, amax / amax.new_full((), qmax), torch.ones_like(amax))
-        if given is not None:
+        if given is None:
+            amax = xb.abs().amax(dim=1) if d else xb.new_zeros(xb.shape[0])
+            # a true division (torch turns division by a Python scalar into a
+            # multiplication by its reciprocal on CUDA, one ulp off the kernels)
+            s = torch.where(amax > 0, amax / amax.new_full((), qmax), torch.ones_like(amax))
+        else:
             s = scales[r0:r0 + step]
         y = xb / s[:, None]
         if kind == 0:
