@@ -141,7 +141,12 @@ def main():
             t_bf = t
             big = nd * ld * D * 2 > 24 * 2**30  # bf16 and a quantised copy do not fit together
             staged = {}
-            for quant in ("int8",) if big else ("int8", "fp8"):  # host RAM holds one staged copy
+            # (format, scale layout, impl): int8 per token (default) and per
+            # document (the integer-max scan on sm_90), fp8 per document (default)
+            variants = [("int8", None, None)] if big else [("int8", None, None),
+                                                           ("int8", "document", "maxsim-int8-doc"),
+                                                           ("fp8", None, None)]
+            for quant, layout, impl in variants:  # host RAM holds one staged copy
                 if big:  # quantise to the host now, score once the bf16 corpus is freed
                     vt = torch.int8 if quant == "int8" else torch.float8_e4m3fn
                     hv = torch.empty((nd * ld, D), dtype=vt)
@@ -153,15 +158,17 @@ def main():
                         hs[r:r + step].copy_(sc)
                     staged[quant] = (hv, hs)
                     continue
-                qc = ms_.Corpus(flat, off, device="cuda", quantization=quant)
-                quant_row(wl, quant, qc, Qs, q1, ref_ids, t_bf, g_bf)
+                qc = ms_.Corpus(flat, off, device="cuda", quantization=quant, scale_layout=layout)
+                quant_row(wl, quant, qc, Qs, q1, ref_ids, t_bf, g_bf, impl=impl)
                 del qc
                 if quant == "int8" and not args.skip_rescore:
                     # tiered: int8 scan, exact re-score of 4k candidates from bf16
                     # originals kept on the GPU or in pinned host memory
-                    for where in ("device", "pinned"):
-                        qc = ms_.Corpus(flat, off, device="cuda", quantization=quant, rescore=where)
-                        quant_row(wl, quant, qc, Qs, q1, ref_ids, t_bf, g_bf, impl=f"maxsim-int8+rescore-{where}")
+                    for where in ("device", "pinned") if layout is None else ("device",):
+                        qc = ms_.Corpus(flat, off, device="cuda", quantization=quant, rescore=where,
+                                        scale_layout=layout)
+                        quant_row(wl, quant, qc, Qs, q1, ref_ids, t_bf, g_bf,
+                                  impl=f"{impl or 'maxsim-int8'}+rescore-{where}")
                         del qc
                         torch.cuda.empty_cache()
             if "lik" in P and nd * ld <= 100_000 * 1024:

@@ -16,10 +16,11 @@
 // the tile's scales into the stage) and multiply the products before the
 // max; the queries' multiply the row maxima in the finisher. Where the
 // caller promises one scale per document (forward_quant's
-// uniform_doc_scales; fp8 corpora are stored that way), the fp8 kernel takes
-// kScDoc: the document's scale commutes with the max and joins the query's
-// in the finisher, and the fold is the max alone (H100 colpali-10k: the
-// per-product scale step cost ~1.4 of ~3.9 ms).
+// uniform_doc_scales; fp8 corpora are stored that way, int8 ones on request),
+// the kernel takes kScDoc: the document's scale commutes with the max and
+// joins the query's in the finisher, and the fold is the max alone (H100
+// colpali-10k: the per-product scale step cost ~1.4 of ~3.9 ms); for int8
+// the max of the raw s32 products, as integers.
 //
 // Persistent kernel, one CTA per SM (384 threads), each CTA walking the same
 // work items as the other forward kernels (decode_work: M tile of BM = 128
@@ -102,6 +103,12 @@ struct WgCfg {
 constexpr int kScNone = 0;   // 16-bit tokens
 constexpr int kScToken = 1;  // per-token scales, the documents' before the max
 constexpr int kScDoc = 2;    // one scale per document, applied to the row maxima
+
+// int8 tokens with one scale per document: the fold takes the row maxima of
+// the raw s32 products as integers (the scale is applied to them in the
+// finisher), converted to fp32 once per row at the end of an item.
+template <typename T, int SC>
+constexpr bool kWgIntMax = SC == kScDoc && std::is_same<T, int8_t>::value;
 
 // Kernel flags.
 constexpr int kWgContiguous = 1;  // contiguous item ranges per CTA (else strided)
@@ -449,6 +456,25 @@ __device__ __forceinline__ void wg_fold(const FwdParams& p, const Work& w, float
       if (off[h] >= 0) bidx[h] = colbase + off[h];
     return;
   }
+  if constexpr (kWgIntMax<T, SC>) {
+    // int8 with one scale per document: the raw s32 dot products compare as
+    // integers, and a 3-input integer max (VIMNMX3 on sm_90) folds two
+    // columns per instruction where the float tree takes one. -inf (bits
+    // 0xff800000 = -2^23 as an integer) sorts below every dot product of
+    // <= 256 int8 pairs (|x| <= 2^22); wg_int_row_max converts at the end of
+    // the item. Two chains per row for ILP.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      int x0 = __float_as_int(best[h]), x1 = __float_as_int(neg_inf());
+#pragma unroll
+      for (int jn = 0; jn < NJ; ++jn) {
+        int& x = jn & 1 ? x1 : x0;
+        x = __vimax3_s32(x, __float_as_int(acc[4 * jn + 2 * h]), __float_as_int(acc[4 * jn + 2 * h + 1]));
+      }
+      best[h] = __int_as_float(max(x0, x1));
+    }
+    return;
+  }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float x = max_nan(max_nan(acc[2 * h], acc[2 * h + 1]), max_nan(acc[4 + 2 * h], acc[5 + 2 * h]));
@@ -776,6 +802,13 @@ __global__ void __launch_bounds__(kWgThreads, 1)
         held_base = chunk_g;
         held_n = ntiles;
       }
+      if constexpr (kWgIntMax<T, SC>) {  // s32 maxima (or -inf bits) -> fp32, exact for |x| <= 2^22
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int b = __float_as_int(best[h]);
+          best[h] = b == __float_as_int(neg_inf()) ? neg_inf() : (float)b;
+        }
+      }
       // Merge the 4 lanes of a quad (same rows, different columns).
 #pragma unroll
       for (int h = 0; h < 2; ++h)
@@ -892,7 +925,7 @@ inline bool wgmma_available(int64_t dim, bool arg) {
 // row_mode, workspaces), exactly as for the other kernels.
 // SC: per-token scales in p.q_scale / p.d_scale (8-bit tokens; 16-bit tokens
 // under normalize, with the documents' inverse norms from a pre-pass); fp8
-// with p.d_scale_per_doc runs kScDoc.
+// and int8 (scores, rows <= 128 bytes) with p.d_scale_per_doc run kScDoc.
 template <typename T, int SC>
 inline void launch_wgmma(bool arg, const FwdParams& p, int64_t dim, int64_t item0, int64_t nitems, int num_sms,
                          cudaStream_t stream) {
@@ -953,7 +986,12 @@ inline void launch_wgmma(bool arg, const FwdParams& p, int64_t dim, int64_t item
       wg_fwd_kernel<T, 1, false, SC><<<grid, kWgThreads, WgCfg<1>::SMEM, stream>>>(map, smap, qmap, p, item0, nitems, flags);
     }
   } else if (small) {
-    if (arg)
+    bool int_max = false;  // int8 with one scale per document (rows <= 128 bytes, scores only)
+    if constexpr (std::is_same<T, int8_t>::value)
+      int_max = !arg && p.d_scale_per_doc && wg_kernel_ready<T, 1, false, kScDoc>();
+    if (int_max)
+      wg_fwd_kernel<T, 1, false, kScDoc><<<grid, kWgThreads, WgCfg<1>::SMEM, stream>>>(map, smap, qmap, p, item0, nitems, flags);
+    else if (arg)
       wg_fwd_kernel<T, 1, true, SC><<<grid, kWgThreads, WgCfg<1>::SMEM, stream>>>(map, smap, qmap, p, item0, nitems, flags);
     else
       wg_fwd_kernel<T, 1, false, SC><<<grid, kWgThreads, WgCfg<1>::SMEM, stream>>>(map, smap, qmap, p, item0, nitems, flags);

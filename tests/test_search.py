@@ -146,6 +146,10 @@ def test_search_degenerate(ms, device):
         ms.search(Q, (docs, off), -1)
     with pytest.raises(ValueError, match="storage"):
         ms.Corpus(docs, off, storage="disk")
+    with pytest.raises(ValueError, match="scale_layout"):
+        ms.Corpus(docs, off, device=device, quantization="int8", scale_layout="row")
+    with pytest.raises(ValueError, match="scale_layout"):
+        ms.Corpus(docs, off, device=device, scale_layout="document")  # nothing quantised
 
 
 def test_keys_roundtrip(ms):
@@ -204,18 +208,21 @@ def test_block_topk_op_matches_reference(ms, device):
 
 
 @pytest.mark.parametrize("dim,lq", [(50, 13), (200, 33), (128, 130)])
+@pytest.mark.parametrize("layout", ["token", "document"])
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_quantized_corpus_exact_on_dequantized(ms, device, kind, dim, lq):
+def test_quantized_corpus_exact_on_dequantized(ms, device, kind, layout, dim, lq):
     """The quantised kernels score exactly the dequantised tokens (one and
-    two k chunks, query tiles of one and several M tiles)."""
+    two k chunks, query tiles of one and several M tiles; per-token and
+    per-document scales, the latter applied to the row maxima on sm_90)."""
     if kind == "fp8" and device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 tensor cores need sm_89+")
     g = torch.Generator().manual_seed(21)
     docs, off = packed_corpus(200, dim, torch.float32, device, g)
     Q = rand(3, lq, dim, device=device, gen=g)
-    corpus = ms.Corpus(docs, off, device=device, quantization=kind)
+    corpus = ms.Corpus(docs, off, device=device, quantization=kind, scale_layout=layout)
     assert corpus.tokens.shape[1] == (dim + 15) // 16 * 16
+    assert corpus.scale_layout == layout and corpus.uniform_doc_scales == (layout == "document")
     s, ids = ms.search(Q, corpus, 25)
     qv, qs = ms.quantize_tokens(Q.reshape(-1, dim), kind)
     deq_q = ms.reference.dequantize(qv.cpu(), qs.cpu(), torch.float64)[:, :dim].reshape(3, lq, dim)
@@ -232,7 +239,8 @@ def test_quantized_corpus_exact_on_dequantized(ms, device, kind, dim, lq):
 def test_corpus_scale_layout(ms, device):
     """fp8 corpora share one scale per document (its largest finite
     magnitude / 448: a NaN or inf token does not set it) and say so; int8
-    keeps per-token scales; prequantised corpora are checked as given."""
+    keeps per-token scales unless asked for per-document ones (largest
+    magnitude / 127); prequantised corpora are checked as given."""
     if device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 corpora need sm_89+")
     g = torch.Generator().manual_seed(5)
@@ -255,8 +263,24 @@ def test_corpus_scale_layout(ms, device):
     err = (deq - docs).abs()[fin]
     assert torch.all(err <= docs.abs()[fin] * 2.0 ** -4 + (sc[:, None].expand_as(docs)[fin]) * 2.0 ** -10)
     assert torch.isnan(deq[offc[n_nan] + 1, 3])
-    ci = ms.Corpus(docs.nan_to_num(0, 0, 0).to(device), off.to(device), device=device, quantization="int8")
-    assert not ci.uniform_doc_scales
+    clean = docs.nan_to_num(0, 0, 0)
+    ci = ms.Corpus(clean.to(device), off.to(device), device=device, quantization="int8")
+    assert not ci.uniform_doc_scales and ci.scale_layout == "token"
+    # int8 with one scale per document: its largest magnitude / 127, values
+    # within half a step of the tokens
+    cd = ms.Corpus(clean.to(device), off.to(device), device=device, quantization="int8", scale_layout="document")
+    assert cd.uniform_doc_scales and cd.scale_layout == "document"
+    sd = cd.scales.cpu()
+    for n in range(40):
+        a, b = offc[n], offc[n + 1]
+        if b > a:
+            assert torch.all(sd[a:b] == clean[a:b].abs().amax() / torch.tensor(127.0)), n
+    err = (ms.reference.dequantize(cd.tokens.cpu(), sd)[:, :32] - clean).abs()
+    assert torch.all(err <= sd[:, None] * (0.5 + 1e-5))
+    assert not ms.Corpus(clean.to(device), off.to(device), device=device, quantization="fp8",
+                         scale_layout="token").uniform_doc_scales
+    pre_i = ms.Corpus(cd.tokens, off.to(device), scales=cd.scales, device=device)
+    assert pre_i.uniform_doc_scales and pre_i.scale_layout == "document"
     pre = ms.Corpus(c8.tokens, off.to(device), scales=c8.scales, device=device)
     assert pre.uniform_doc_scales
     bad = c8.scales.clone()

@@ -112,18 +112,18 @@ def _doc_rows(starts: Tensor, lens: Tensor) -> tuple[Tensor, Tensor]:
     return torch.arange(doc.numel(), device=lens.device) + base[doc], doc
 
 
-def _fp8_doc_scales(tokens: Tensor, starts: Tensor, lens: Tensor, work, step: int) -> Tensor:
-    """fp8 scales [T]: each document's largest finite magnitude / 448, shared
-    by its tokens (rows outside every document keep their own), so that the
-    scan can apply one scale per document to the row maxima instead of to
-    every product. A float format keeps most of its relative precision under
-    a shared scale, though not all of it (H100, ColPali-sized random data:
-    top-10 agreement 0.84 per token, 0.76 per document)."""
+def _doc_scales(tokens: Tensor, starts: Tensor, lens: Tensor, work, step: int, kind: str) -> Tensor:
+    """Scales [T]: each document's largest finite magnitude / qmax (448 fp8,
+    127 int8), shared by its tokens (rows outside every document keep their
+    own), so that the scan can apply one scale per document to the row
+    maxima instead of to every product. Tokens smaller than their
+    document's largest lose resolution (H100, ColPali-sized random data,
+    fp8: top-10 agreement 0.84 per token, 0.76 per document)."""
     if tokens.shape[0] == 0 or tokens.shape[1] == 0:
         return torch.ones(tokens.shape[0], dtype=torch.float32, device=work)
     amax = torch.cat([tokens[r0:r0 + step].to(work).float().abs().amax(1) for r0 in range(0, tokens.shape[0], step)])
     amax = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax))
-    qmax = amax.new_full((), 448.0)
+    qmax = amax.new_full((), 448.0 if kind == "fp8" else 127.0)
     one = torch.ones_like(amax)
     scales = torch.where(amax > 0, amax / qmax, one)
     rows, doc = _doc_rows(starts.to(work), lens.to(work))
@@ -197,10 +197,11 @@ class Corpus:
     chunks of about ``chunk_mib`` MiB; for corpora larger than GPU memory) or
     ``"cpu"`` (scored by the CPU kernels). ``quantization``: ``None`` (keep
     the dtype), ``"int8"`` (per-token scales, see :func:`quantize_tokens`)
-    or ``"fp8"`` (e4m3, one scale per document: its largest magnitude maps
-    to 448, and the scan applies it to the row maxima -- faster, somewhat
-    less accurate than per-token scales, which prequantised tokens keep).
-    Already quantised
+    or ``"fp8"`` (e4m3). ``scale_layout``: ``"token"`` (each token's
+    largest magnitude maps to the format's largest value) or ``"document"``
+    (one scale per document, applied by the scan to the row maxima instead
+    of to every product: faster, somewhat less accurate); default
+    ``"token"`` for int8, ``"document"`` for fp8. Already quantised
     tokens (int8 / float8_e4m3fn, dim a multiple of 16) come with their
     per-token ``scales [T]`` and are kept as they are.
     ``rescore``: with ``quantization``, also keep the original tokens on
@@ -210,22 +211,27 @@ class Corpus:
     the GPU holds the int8 corpus, the host the full-precision one).
     Construction validates the layout (host syncs allowed here; :func:`search`
     syncs only to gather host-resident originals). ``uniform_doc_scales``
-    tells whether an fp8 corpus's documents each share one positive scale
-    (fp8 corpora quantised here; checked for prequantised fp8 tokens): the
-    scan then applies it to the row maxima.
+    tells whether the documents each share one positive scale (by
+    construction for ``scale_layout="document"``; checked for prequantised
+    tokens): the scan then applies it to the row maxima.
     """
 
     def __init__(self, documents: Tensor, offsets=None, *, lengths=None, mask=None, storage: str = "device",
                  quantization: Optional[str] = None, scales: Optional[Tensor] = None, device=None,
-                 chunk_mib: int = 256, rescore: Optional[str] = None):
+                 chunk_mib: int = 256, rescore: Optional[str] = None, scale_layout: Optional[str] = None):
         if storage not in ("device", "pinned", "cpu"):
             raise ValueError(f"storage must be 'device', 'pinned' or 'cpu', got {storage!r}")
         if quantization not in (None, "int8", "fp8"):
             raise ValueError(f"quantization must be None, 'int8' or 'fp8', got {quantization!r}")
         if rescore not in (None, "device", "pinned", "cpu"):
             raise ValueError(f"rescore must be None, 'device', 'pinned' or 'cpu', got {rescore!r}")
+        if scale_layout not in (None, "token", "document"):
+            raise ValueError(f"scale_layout must be None, 'token' or 'document', got {scale_layout!r}")
         tokens, starts, lens, tmask = _as_packed(documents, offsets, lengths, mask)
         prequant = tokens.dtype in _QTYPES
+        if scale_layout is not None and (quantization is None or prequant):
+            raise ValueError("scale_layout applies to a corpus quantised here (quantization='int8' or 'fp8' "
+                             "with float documents)")
         if rescore is not None and (quantization is None or prequant):
             raise ValueError("rescore keeps the original tokens of a corpus quantised here "
                              "(quantization='int8' or 'fp8' with float documents)")
@@ -280,10 +286,13 @@ class Corpus:
             work = dev if dev.type == "cuda" else tokens.device
             vals, scales = [], []
             rows = max(1, (256 << 20) // max(1, 2 * tokens.shape[1]))
-            if quantization == "fp8":
-                per_doc = _fp8_doc_scales(tokens, starts, lens, work, rows)
+            if scale_layout is None:
+                scale_layout = "document" if quantization == "fp8" else "token"
+            per_doc = None
+            if scale_layout == "document":
+                per_doc = _doc_scales(tokens, starts, lens, work, rows, quantization)
             for r0 in range(0, tokens.shape[0], rows):
-                given = per_doc[r0:r0 + rows] if quantization == "fp8" else None
+                given = per_doc[r0:r0 + rows] if per_doc is not None else None
                 v, s = quantize_tokens(tokens[r0:r0 + rows].to(work), quantization, given)
                 vals.append(v.to(home))
                 scales.append(s.to(home))
@@ -298,10 +307,17 @@ class Corpus:
             tokens, scales, tmask = (t if t is None or t.is_pinned() else t.pin_memory()
                                      for t in (tokens, scales, tmask))
         self.tokens, self.scales, self.token_mask = tokens, scales, tmask
-        # One positive scale per document lets the fp8 scan apply it after the
-        # max (only the fp8 kernel uses it): true by construction for fp8
-        # quantised here, checked once for prequantised fp8 tokens.
-        self.uniform_doc_scales = quantization == "fp8" and (not prequant or _uniform_doc_scales(scales, starts, lens))
+        # One positive scale per document lets the Hopper scan apply it after
+        # the max: true by construction for scale_layout="document", checked
+        # once for prequantised tokens.
+        if quantization is None:
+            self.uniform_doc_scales = False
+        elif prequant:
+            self.uniform_doc_scales = _uniform_doc_scales(scales, starts, lens)
+            scale_layout = "document" if self.uniform_doc_scales else "token"
+        else:
+            self.uniform_doc_scales = scale_layout == "document"
+        self.scale_layout = scale_layout
         self.starts = starts.to(torch.int32).to(dev)
         self.lengths = lens.to(torch.int32).to(dev)
         self._chunks = None
