@@ -1,6 +1,6 @@
 // Register-streaming forward for one short query against many documents
 // (lq <= 32, rows of 64 / 128 / 192 / 256 bytes: fp16 / bf16 dim 32-128, or
-// int8 / fp8 e4m3 tokens with per-token scales, dim 64-256; no argmax, no
+// int8 / fp8 e4m3 tokens with per-token or per-document scales, dim 64-256; no argmax, no
 // `normalize`; forward.cu selects it): memory-bound reranking and corpus
 // scans (search over an 8-bit corpus included), where the
 // tile kernel's shared-memory staging, ldmatrix and barriers only add latency
@@ -108,6 +108,9 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
   const char* dbase = p.d + (int64_t)ds * rb + lane_off;
   uint4 buf[U][W];
   float2 dsc[SC ? U : 1];  // doc-token scales of columns 2c, 2c + 1 (8-bit)
+  // One scale per document (the caller's promise): applied to the row sum's
+  // terms at the end instead of to every product, and no scale loads.
+  const bool doc_sc = SC && p.d_scale_per_doc;
   auto fetch = [&](int t, int u) {
     const int j = t * 8 + g;
     if (t < te && j < dl) {
@@ -118,7 +121,7 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
 #pragma unroll
       for (int w = 0; w < W; ++w) buf[u][w] = make_uint4(0, 0, 0, 0);
     }
-    if constexpr (SC) {
+    if (SC && !doc_sc) {
       // Columns past the document are masked below; their scale is never used.
       const int j0 = t * 8 + 2 * c;
       const float* sp = p.d_scale + ds + j0;
@@ -221,7 +224,8 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc[mt][e] = Mma<T>::value(acc[mt][e]) * (e & 1 ? dsc[u].y : dsc[u].x);
+            for (int e = 0; e < 4; ++e)
+              acc[mt][e] = doc_sc ? Mma<T>::value(acc[mt][e]) : Mma<T>::value(acc[mt][e]) * (e & 1 ? dsc[u].y : dsc[u].x);
         }
         // Columns 2c, 2c + 1 of the tile: -inf past the document or masked.
         const int j0 = t * 8 + 2 * c;
@@ -273,7 +277,7 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
     }
   bool use = ok && lane < ql && v != neg_inf();
   if (use && p.q_mask != nullptr) use = p.q_mask[(int64_t)qs + lane];
-  if (SC && use) v *= p.q_scale[(int64_t)qs + lane];
+  if (SC && use) v *= doc_sc ? p.q_scale[(int64_t)qs + lane] * p.d_scale[ds] : p.q_scale[(int64_t)qs + lane];
   const float sum = warp_sum(use ? v : 0.f);
   if (lane == 0 && live) p.scores[pr] = ok ? sum : __int_as_float(0x7fc00000);
 #endif
