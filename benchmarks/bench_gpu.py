@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # name: (kind, Nq or B, Nd or K, Lq, Ld)
 FORWARD = {
+    "rerank-100": ("shared", 1, 100, 32, 300),
     "rerank-short": ("shared", 1, 1000, 32, 300),
     "rerank-long": ("shared", 1, 1000, 32, 1024),
     "rerank-medium": ("shared", 1, 1000, 128, 1024),

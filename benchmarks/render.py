@@ -196,15 +196,15 @@ def normalize_table(path: Path) -> str:
 
 
 def _special(name: str) -> bool:
-    return name == "cpu.json" or name.endswith(("-cold-start.json", "-search.json", "-distributed.json",
-                                                "-normalize.json"))
+    return name == "cpu.json" or name.startswith("agreement-bound") or name.endswith(
+        ("-cold-start.json", "-search.json", "-distributed.json", "-normalize.json"))
 
 
 def render() -> str:
     parts = []
     res = ROOT / "bench_results"
     for p in sorted(res.glob("*.json")):
-        if p.name == "cpu.json":
+        if p.name == "cpu.json" or p.name.startswith("agreement-bound"):  # cpu: below; the bound: perf notes
             continue
         if p.name.endswith("-search.json"):
             parts.append(search_table(p))

@@ -307,7 +307,10 @@ void run_stream(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st);
 // notes, session 11): a pair split over S warps shortens each warp's chain
 // of dependent loads and the last wave's tail, but costs a query load per
 // warp and, while the S = 1 grid fits in one wave, pushes it into more.
-// Best: one wave at S = 1 -> split only documents of >= 64 tiles (S = 4);
+// Best: one wave at S = 1 -> S = 4 for documents of >= 64 tiles or while
+// the S = 4 grid fills <= 2/3 of a wave, else S = 2 while that grid fits
+// one wave (few pairs: the chain is the whole time; H100, 1 query x 66
+// documents of 300 tokens: 15.2 -> 7.5 us, session 15), else S = 1;
 // several waves -> the largest S leaving >= 11 tiles per warp. 8-bit rows
 // measured no gain from any of the three (search-10k), so they keep S = 1.
 template <typename T, int KS, int MT>
@@ -325,7 +328,7 @@ void launch_stream_mt(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st
     int S = 1;
     if (b16) {
       if (p.P <= slots)
-        S = ntile >= 64 ? 4 : 1;
+        S = ntile >= 64 || 4 * p.P * 3 <= 2 * slots ? 4 : 2 * p.P <= slots ? 2 : 1;
       else
         S = ntile >= 44 ? 4 : ntile >= 22 ? 2 : 1;
     }
