@@ -391,14 +391,14 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
   // ---- path selection ------------------------------------------------------
   const auto* prop = at::cuda::getCurrentDeviceProperties();
   // Register streaming: one query against many documents, and per-query
-  // candidate lists of 16-bit tokens. Several queries share documents
+  // candidate lists / pair lists of 16-bit tokens. Several queries share documents
   // through the tile kernels' query tiles (CROSS). GROUPED measured 3-9 %
   // slower streamed than on the tile kernel with one warp per pair and the
   // old lane layout; with whole-sector loads and split pairs it is 0-28 %
   // faster at lq 32 on H100 (Rerank, the one exception, within 1.5 %; perf
   // notes, session 11). Very long documents take the tile kernel's splits.
   const int64_t mean_ld = Nd > 0 ? d.size(0) / Nd : 0;  // also sizes the doc splits below
-  const bool stream_layout = (layout == kCross && Nq == 1) || (layout == kGrouped && !quant);
+  const bool stream_layout = (layout == kCross && Nq == 1) || (layout != kCross && !quant);
   if (((g_forced_cfg == -1 && stream_layout) || g_forced_cfg == -3) && prop->major >= 8 && mean_ld <= 4096 &&
       stream_shape_ok(dtype, lq, arg, scaled, prop->major * 10 + prop->minor, p)) {
     p.stream_split = g_stream_split;

@@ -25,8 +25,8 @@ from typing import Iterator, Optional
 import torch
 
 from ._registry import ops
-from .reference import CROSS, GROUPED
-from .scoring import _padded_segments
+from .reference import CROSS, GROUPED, LIST
+from .scoring import _cached_index, _padded_segments
 
 Tensor = torch.Tensor
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -483,14 +483,13 @@ def _rescore(q, q_start, q_len, qm, Nq, Lq, corpus, keys, k, dev) -> Tensor:
     orig = corpus.originals[0]
     q = q.to(orig.dtype)
     if orig.device == dev:
-        # Originals where the compute is: the candidates are segments of them
-        # (same rows as the compressed tokens), scored in place, no gather.
-        ok = cand >= 0
-        safe = torch.where(ok, cand, 0)
-        st = corpus.starts[safe].view(-1)
-        ln = torch.where(ok, corpus.lengths[safe], -1).view(-1)  # -1: no candidate, NaN score
-        scores, _ = ops.forward(q, q_start, q_len, qm, orig, st, ln, corpus.originals[1],
-                                None, None, GROUPED, Lq, 0, False)
+        # Originals where the compute is: the candidates are documents of the
+        # corpus (same rows as the compressed tokens), scored in place as a
+        # pair list (query n, candidate id; id -1: no candidate, NaN score).
+        pair_q = _cached_index(("pair-queries", Nq, kc), dev,
+                               lambda: torch.arange(Nq, device=dev, dtype=torch.int32).repeat_interleave(kc))
+        scores, _ = ops.forward(q, q_start, q_len, qm, orig, corpus.starts, corpus.lengths, corpus.originals[1],
+                                pair_q, cand.view(-1).to(torch.int32), LIST, Lq, 0, False)
         scores = scores.view(Nq, kc)
     else:  # originals elsewhere (pinned / host): gather the candidates' tokens
         L = max(corpus.originals[4], 1)

@@ -137,19 +137,26 @@ def _validate_ids(name: str, ids: Tensor, n: int) -> None:
 _SEGMENTS: dict = {}
 
 
-def _uniform_segments(n: int, extent: int, device) -> tuple[Tensor, Tensor]:
-    """(start, len) of n back-to-back segments of ``extent`` rows. Cached:
-    small launches here would cost more than a short forward kernel."""
-    key = (n, extent, str(device))
+def _cached_index(key: tuple, device, build):
+    """``build()`` (index tensors that depend only on ``key``), cached per
+    device: small launches here would cost more than a short forward kernel.
+    Not cached while capturing a graph or compiling (those own their tensors)."""
+    key = key + (str(device),)
     hit = _SEGMENTS.get(key)
     if hit is not None:
         return hit
-    seg = (torch.arange(n, device=device, dtype=torch.int32) * extent,
-           torch.full((n,), extent, device=device, dtype=torch.int32))
+    val = build()
     capturing = torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
     if not capturing and not torch.compiler.is_compiling() and len(_SEGMENTS) < 256:
-        _SEGMENTS[key] = seg
-    return seg
+        _SEGMENTS[key] = val
+    return val
+
+
+def _uniform_segments(n: int, extent: int, device) -> tuple[Tensor, Tensor]:
+    """(start, len) of n back-to-back segments of ``extent`` rows (cached)."""
+    return _cached_index(("segments", n, extent), device,
+                         lambda: (torch.arange(n, device=device, dtype=torch.int32) * extent,
+                                  torch.full((n,), extent, device=device, dtype=torch.int32)))
 
 
 def _padded_segments(n: int, extent: int, lengths: Optional[Tensor], device) -> tuple[Tensor, Tensor]:
