@@ -391,8 +391,9 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
   // ---- path selection ------------------------------------------------------
   const auto* prop = at::cuda::getCurrentDeviceProperties();
   // Register streaming: one query against many documents, and per-query
-  // candidate lists / pair lists of 16-bit tokens. Several queries share documents
-  // through the tile kernels' query tiles (CROSS). GROUPED measured 3-9 %
+  // candidate lists / pair lists of 16-bit tokens. Several queries share
+  // documents through the tile kernels' query tiles (CROSS). LIST streamed:
+  // 7-25 % faster than the tile kernels (session 15). GROUPED measured 3-9 %
   // slower streamed than on the tile kernel with one warp per pair and the
   // old lane layout; with whole-sector loads and split pairs it is 0-28 %
   // faster at lq 32 on H100 (Rerank, the one exception, within 1.5 %; perf

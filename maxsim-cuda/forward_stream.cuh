@@ -1,12 +1,12 @@
 // Register-streaming forward for one short query against many documents
 // (lq <= 32, rows of 64 / 128 / 192 / 256 bytes: fp16 / bf16 dim 32-128, or
-// int8 / fp8 e4m3 tokens with per-token or per-document scales, dim 64-256; no argmax, no
-// `normalize`; forward.cu selects it): memory-bound reranking and corpus
-// scans (search over an 8-bit corpus included), where the
-// tile kernel's shared-memory staging, ldmatrix and barriers only add latency
-// between DRAM and the tensor cores. Any layout works; the host takes it for
-// CROSS with one query and for 16-bit GROUPED candidates (measured, see
-// forward.cu).
+// int8 / fp8 e4m3 tokens with per-token or per-document scales, dim
+// 64-256; no argmax, no `normalize`; forward.cu selects it): memory-bound
+// reranking and corpus scans (search over an 8-bit corpus included), where
+// the tile kernel's shared-memory staging, ldmatrix and barriers only add
+// latency between DRAM and the tensor cores. Any layout works; the host
+// takes it for CROSS with one query and for 16-bit GROUPED candidates and
+// LIST pairs (measured, see forward.cu).
 //
 // One warp per pair, or S = 2 / 4 warps per pair each taking a contiguous
 // range of the document's tiles (row maxima combined through shared memory;
@@ -224,8 +224,10 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e)
-              acc[mt][e] = doc_sc ? Mma<T>::value(acc[mt][e]) : Mma<T>::value(acc[mt][e]) * (e & 1 ? dsc[u].y : dsc[u].x);
+            for (int e = 0; e < 4; ++e) {
+              const float x = Mma<T>::value(acc[mt][e]);
+              acc[mt][e] = doc_sc ? x : x * (e & 1 ? dsc[u].y : dsc[u].x);
+            }
         }
         // Columns 2c, 2c + 1 of the tile: -inf past the document or masked.
         const int j0 = t * 8 + 2 * c;

@@ -461,8 +461,8 @@ __device__ __forceinline__ void wg_fold(const FwdParams& p, const Work& w, float
     // integers, and a 3-input integer max (VIMNMX3 on sm_90) folds two
     // columns per instruction where the float tree takes one. -inf (bits
     // 0xff800000 = -2^23 as an integer) sorts below every dot product of
-    // <= 256 int8 pairs (|x| <= 2^22); wg_int_row_max converts at the end of
-    // the item. Two chains per row for ILP.
+    // <= 256 int8 pairs (|x| <= 2^22); the row maxima become fp32 at the end
+    // of the item. Two chains per row for ILP.
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       int x0 = __float_as_int(best[h]), x1 = __float_as_int(neg_inf());

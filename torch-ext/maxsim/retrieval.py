@@ -196,8 +196,8 @@ class Corpus:
     available), ``"pinned"`` (pinned host memory, streamed to ``device`` in
     chunks of about ``chunk_mib`` MiB; for corpora larger than GPU memory) or
     ``"cpu"`` (scored by the CPU kernels). ``quantization``: ``None`` (keep
-    the dtype), ``"int8"`` (per-token scales, see :func:`quantize_tokens`)
-    or ``"fp8"`` (e4m3). ``scale_layout``: ``"token"`` (each token's
+    the dtype), ``"int8"`` or ``"fp8"`` (e4m3; see :func:`quantize_tokens`).
+    ``scale_layout``: ``"token"`` (each token's
     largest magnitude maps to the format's largest value) or ``"document"``
     (one scale per document, applied by the scan to the row maxima instead
     of to every product: faster, somewhat less accurate); default
