@@ -47,8 +47,10 @@ def main():
     def deq(x, kind, per_doc=False):
         flat = x.reshape(-1, d)
         given = None
-        if per_doc:  # as Corpus(quantization="fp8") stores it
-            given = (x.abs().amax(dim=(1, 2)) / 448.0).repeat_interleave(x.shape[1])
+        if per_doc:  # the scales Corpus(scale_layout="document") stores
+            n, L = x.shape[0], x.shape[1]
+            given = ms.retrieval._doc_scales(flat, torch.arange(n) * L, torch.full((n,), L), flat.device, flat.shape[0],
+                                             kind)
         v, s = ms.quantize_tokens(flat, kind, given)
         return (v[:, :d].float() * s[:, None]).reshape(x.shape)
 

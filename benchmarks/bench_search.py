@@ -162,7 +162,7 @@ def main():
                 quant_row(wl, quant, qc, Qs, q1, ref_ids, t_bf, g_bf, impl=impl)
                 del qc
                 if quant == "int8" and not args.skip_rescore:
-                    # tiered: int8 scan, exact re-score of 4k candidates from bf16
+                    # tiered: int8 scan, exact re-score of 4 x k candidates from bf16
                     # originals kept on the GPU or in pinned host memory
                     for where in ("device", "pinned") if layout is None else ("device",):
                         qc = ms_.Corpus(flat, off, device="cuda", quantization=quant, rescore=where,

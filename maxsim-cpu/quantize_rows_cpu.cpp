@@ -30,11 +30,13 @@ std::tuple<at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& x_in, int64_t 
     at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, d)), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
         const scalar_t* xr = xp + r * d;
-        float s = sp[r];
+        float s;
         if (own) {
           float m = 0.f;
           for (int64_t c = 0; c < d; ++c) m = quant_rows::amax_step(m, static_cast<float>(xr[c]));
           s = sp[r] = quant_rows::scale_of(m, qm);
+        } else {
+          s = sp[r];
         }
         unsigned char* vr = vp + r * dp;
         for (int64_t c = 0; c < dp; ++c) {

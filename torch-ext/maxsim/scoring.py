@@ -134,7 +134,7 @@ def _validate_ids(name: str, ids: Tensor, n: int) -> None:
 # lowering helpers (device-side, no sync)
 # ----------------------------------------------------------------------------
 
-_SEGMENTS: dict = {}
+_INDEX_CACHE: dict = {}
 
 
 def _cached_index(key: tuple, device, build):
@@ -142,13 +142,13 @@ def _cached_index(key: tuple, device, build):
     device: small launches here would cost more than a short forward kernel.
     Not cached while capturing a graph or compiling (those own their tensors)."""
     key = key + (str(device),)
-    hit = _SEGMENTS.get(key)
+    hit = _INDEX_CACHE.get(key)
     if hit is not None:
         return hit
     val = build()
     capturing = torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if not capturing and not torch.compiler.is_compiling() and len(_SEGMENTS) < 256:
-        _SEGMENTS[key] = val
+    if not capturing and not torch.compiler.is_compiling() and len(_INDEX_CACHE) < 256:
+        _INDEX_CACHE[key] = val
     return val
 
 
