@@ -167,17 +167,21 @@ def test_keys_roundtrip(ms):
 @pytest.mark.parametrize("device", DEVICES)
 def test_block_topk_op_matches_reference(ms, device):
     """ops.block_topk (on CUDA for k < 1024 a binned select per 12288-key
-    chunk, then rounds over the chunks' winners; one topk otherwise) equals
-    encode + topk over every key: chunk edges, one to three rounds, ties
-    across chunks, continuous scores, NaN / -inf / signed zeros, k = 0,
-    k >= n, explicit ids (negative = empty slot)."""
+    chunk -- k <= 256 the shared-memory form, 256 or 512 threads by chunk
+    length; above, the register form -- then rounds over the chunks'
+    winners; one topk otherwise) equals encode + topk over every key: chunk
+    edges, one to three rounds, ties across chunks, continuous scores, NaN /
+    -inf / signed zeros, k = 0, k >= n, the k = 256 / 257 switch, explicit
+    ids (negative = empty slot)."""
     g = torch.Generator().manual_seed(41)
     for R, n, k, id0, tied in ((1, 1, 5, 0, True), (2, 4095, 100, 7, True), (1, 4096, 4096, 0, True),
                                (3, 4097, 10, 3, True), (1, 10000, 100, 123456, True), (2, 9000, 0, 0, True),
                                (1, 20000, 1023, 0, True), (2, 20000, 1024, 5, True), (1, 12289, 400, 0, True),
                                (1, 12288, 1, 0, False), (2, 100000, 100, 0, False), (1, 300000, 1000, 9, False),
                                (1, 300000, 700, 0, True), (4, 24577, 13, 0, False), (1, 2048, 100, 0, True),
-                               (2, 2049, 1000, 1, True), (1, 1000000, 100, 0, False)):
+                               (2, 2049, 1000, 1, True), (1, 1000000, 100, 0, False), (3, 256, 100, 0, False),
+                               (1, 257, 256, 0, True), (2, 12288, 256, 0, False), (1, 5000, 257, 0, False),
+                               (2, 36865, 200, 2, True), (5, 33, 7, 0, False)):
         s = (torch.randn(R, n, generator=g) * 4).round() / 4 if tied else torch.randn(R, n, generator=g)
         if n > 10:
             s[:, 3] = float("nan")
@@ -196,15 +200,18 @@ def test_block_topk_op_matches_reference(ms, device):
             got = ms.ops.block_topk(s, 0, k, ids)
             want = ms.retrieval.encode_keys(s, ids).topk(min(k, n), dim=1).values
             assert torch.equal(got, want), (R, n, k, "ids")
-    # a short row (sorted whole on CUDA) and one whose keys are all equal
+    # a short row (sorted whole on CUDA), one whose keys are all equal
     # (repeated explicit id and score: the CUDA select's capped equal keys)
-    for n, k, same in ((200, 100, False), (10000, 100, True)):
+    # and equal scores under distinct ids (every key reaches the small
+    # select's first bound: its all-keys fallback)
+    for n, k, same, distinct in ((200, 100, False, True), (10000, 100, True, False), (10000, 100, True, True),
+                                 (3000, 250, True, True)):
         s = torch.zeros(1, n) if same else torch.randn(1, n, generator=g)
-        ids = torch.full((1, n), 5) if same else torch.randperm(n, generator=g)[None]
+        ids = torch.randperm(n, generator=g)[None] if distinct else torch.full((1, n), 5)
         s, ids = s.to(device), ids.to(device)
         got = ms.ops.block_topk(s, 0, k, ids)
         want = ms.retrieval.encode_keys(s, ids).topk(k, dim=1).values
-        assert torch.equal(got, want), (n, k, same)
+        assert torch.equal(got, want), (n, k, same, distinct)
 
 
 @pytest.mark.parametrize("dim,lq", [(50, 13), (200, 33), (128, 130)])

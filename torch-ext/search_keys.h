@@ -25,14 +25,15 @@ MAXSIM_HD inline float from_bits(int32_t b) {
   return v;
 }
 
-MAXSIM_HD inline int64_t encode(float v, int64_t id) {
+// A score's rank as a signed int (a key's high 32 bits).
+MAXSIM_HD inline int32_t order(float v) {
   v += 0.0f;  // -0 -> +0: equal scores get equal keys
   int32_t bits;
   memcpy(&bits, &v, 4);
-  int32_t order = bits >= 0 ? bits : (bits ^ 0x7FFFFFFF);
-  if (v != v) order = kNanOrder;
-  return (int64_t)order * (kLow + 1) + (kLow - id);
+  return v != v ? kNanOrder : bits >= 0 ? bits : (bits ^ 0x7FFFFFFF);
 }
+
+MAXSIM_HD inline int64_t encode(float v, int64_t id) { return (int64_t)order(v) * (kLow + 1) + (kLow - id); }
 
 // An id < 0 is an empty slot.
 MAXSIM_HD inline int64_t encode_id(float v, int64_t id) { return id < 0 ? INT64_MIN : encode(v, id); }
