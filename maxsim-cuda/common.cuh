@@ -62,8 +62,11 @@ struct FwdParams {
   int dpc;
   int64_t gsz, cpg;
   // Streaming kernel: warps per pair (1, 2, 4), the whole-sector lane layout
-  // and the per-CTA query staging (<= 0 / < 0: the launcher's heuristic).
+  // and the per-CTA query staging (<= 0 / < 0: the launcher's heuristic);
+  // the last stream_tail pairs split over 4 warps, one pair per CTA after
+  // the first stream_head_blocks CTAs (< 0: the launcher's heuristic).
   int stream_split, stream_il, stream_qsm;
+  int64_t stream_tail, stream_head_blocks;
   // Outputs.
   float* scores;
   void* argmax;

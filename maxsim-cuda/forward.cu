@@ -68,6 +68,8 @@ void set_stream_mode(int split, int il, int qsm) {
   g_stream_il = il;
   g_stream_qsm = qsm;
 }
+static int64_t g_stream_tail = -1;  // streaming kernel tail pairs split over 4 warps (-1 = heuristic)
+void set_stream_tail(int64_t pairs) { g_stream_tail = pairs; }
 
 namespace {
 
@@ -405,6 +407,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
     p.stream_split = g_stream_split;
     p.stream_il = g_stream_il;
     p.stream_qsm = g_stream_qsm;
+    p.stream_tail = g_stream_tail;
     run_stream_any(dtype, p, mean_ld, prop->multiProcessorCount, stream);
     return {scores, argmax};
   }

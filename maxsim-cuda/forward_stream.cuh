@@ -10,7 +10,9 @@
 //
 // One warp per pair, or S = 2 / 4 warps per pair each taking a contiguous
 // range of the document's tiles (row maxima combined through shared memory;
-// max is order-free, so every S gives the same bits). The query's A
+// max is order-free, so every S gives the same bits); a grid of several
+// waves takes its last pairs at S = 4, one per CTA, so it ends on short
+// tasks. The query's A
 // fragments stay in registers; document tokens are loaded straight into B
 // fragments, 8 tokens (one m16n8k16 n tile) per step, U steps in flight.
 // The trick that makes the loads coalesced 16-byte vectors: a dot product
@@ -81,10 +83,14 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
   constexpr int U = kStreamU<T, KS>;
   constexpr int W = KS / 2;  // 16-byte vectors per lane per row
   const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, warp = threadIdx.x >> 5;
-  const int SP = p.stream_split;  // warps per pair: 1, 2 or 4
+  // Head CTAs: kStreamWarps / SP pairs each; tail CTAs: one pair over all
+  // their warps.
+  const bool tail = blockIdx.x >= p.stream_head_blocks;
+  const int SP = tail ? kStreamWarps : p.stream_split;  // warps per pair: 1, 2 or 4
   const int part = warp & (SP - 1);
-  const int64_t pr = (int64_t)blockIdx.x * (kStreamWarps / SP) + warp / SP;
-  const bool live = pr < p.P;
+  const int64_t pr = tail ? (p.P - p.stream_tail) + (blockIdx.x - p.stream_head_blocks)
+                          : (int64_t)blockIdx.x * (kStreamWarps / SP) + warp / SP;
+  const bool live = pr < (tail ? p.P : p.P - p.stream_tail);
   // Warps past the last pair stay to the end: the CTA meets at barriers.
   int64_t n = 0, dn = 0;
   if (live) pair_ids(p, pr, n, dn);
@@ -138,9 +144,9 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
   // first tiles are already in flight.
   __shared__ uint4 qsh[32 * 256 / 16];
   bool from_sh = false;
-  if (p.stream_qsm) {
+  if (p.stream_qsm || tail) {
     int64_t n0, dn0;
-    pair_ids(p, (int64_t)blockIdx.x * (kStreamWarps / SP), n0, dn0);
+    pair_ids(p, tail ? pr : (int64_t)blockIdx.x * (kStreamWarps / SP), n0, dn0);
     int qs0, ql0;
     if (query_ok(p, n0, qs0, ql0)) {
       const uint4* src = reinterpret_cast<const uint4*>(p.q + (int64_t)qs0 * rb);
@@ -315,17 +321,18 @@ void run_stream(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st);
 // documents of 300 tokens: 15.2 -> 7.5 us, session 15), else S = 1;
 // several waves -> the largest S leaving >= 11 tiles per warp. 8-bit rows
 // measured no gain from any of the three (search-10k), so they keep S = 1.
+// Either way a grid of several waves ends on split pairs (stream_tail).
 template <typename T, int KS, int MT>
 void launch_stream_mt(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st) {
   auto kern = stream_fwd_kernel<T, KS, MT>;
   constexpr bool b16 = !kIsQuant<T>;
+  static const int per_sm = [&] {
+    int b = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kern, kStreamWarps * 32, 0));
+    return std::max(b, 1);
+  }();
+  const int64_t slots = (int64_t)per_sm * kStreamWarps * num_sms;
   if (p.stream_split <= 0) {
-    static const int per_sm = [&] {
-      int b = 0;
-      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kern, kStreamWarps * 32, 0));
-      return std::max(b, 1);
-    }();
-    const int64_t slots = (int64_t)per_sm * kStreamWarps * num_sms;
     const int64_t ntile = (mean_ld + 7) / 8;
     int S = 1;
     if (b16) {
@@ -337,8 +344,23 @@ void launch_stream_mt(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st
     p.stream_split = S;
   }
   if (p.stream_split != 2 && p.stream_split != 4) p.stream_split = 1;
-  const auto blocks = [&] { return (p.P * p.stream_split + kStreamWarps - 1) / kStreamWarps; };
-  if (blocks() > INT32_MAX) p.stream_split = 1;
+  // Several waves: the last slots / 2 pairs split over 4 warps each, so the
+  // grid ends on short tasks (H100, sweep of 0-1024 tail pairs: Rerank
+  // -2 to -3 %, HeavyRerank / B64 K100 Ld128 -1 to -1.5 %, int8 10k scan
+  // -1 %, corpus-10k / -30k and rerank-long within 0.2 %; one-wave grids
+  // gain nothing: session 16).
+  if (p.stream_tail < 0) p.stream_tail = p.P * p.stream_split > slots ? slots / 2 : 0;
+  if (p.stream_split == kStreamWarps) p.stream_tail = 0;
+  p.stream_tail = std::min<int64_t>(p.stream_tail, p.P);
+  const auto blocks = [&] {
+    const int64_t per = kStreamWarps / p.stream_split;  // pairs per head CTA
+    p.stream_head_blocks = (p.P - p.stream_tail + per - 1) / per;
+    return p.stream_head_blocks + p.stream_tail;
+  };
+  if (blocks() > INT32_MAX) {
+    p.stream_split = 1;
+    p.stream_tail = 0;
+  }
   MAXSIM_CHECK(blocks() <= INT32_MAX, "maxsim: too many pairs (%lld) for one launch", (long long)p.P);
   if (p.stream_il < 0) p.stream_il = b16 ? 1 : 0;
   if (p.stream_qsm < 0) p.stream_qsm = p.stream_split >= 4 ? 1 : 0;
