@@ -53,19 +53,17 @@ __device__ __forceinline__ uint32_t u4_word(const uint4& v, int w) {
   return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w;
 }
 
-// A 16-byte streamed load (evict first). 16-bit rows add the L2 128-byte
-// prefetch hint: a quad reads 64 bytes of a token per load, and the line's
-// other half, read by the next load, is then already on its way (measured
-// 0.2-0.8 % on the memory-bound rows, none on 8-bit scans; perf notes,
-// session 11).
-template <bool HINT>
+// A 16-byte streamed load (evict first) with the L2 256-byte prefetch hint:
+// a quad reads 64 bytes of a token per load, and the rest of its row (and,
+// for rows under 256 bytes, the next token's) is then already on its way.
+// Measured against the 128-byte hint (16-bit rows) / no hint (8-bit rows)
+// on the lent H100, session 16: 0.7-2.7 % faster on all eight streaming rows
+// swept (`stream-l2-prefetch-256-h100.log`); the 128-byte hint itself had
+// gained 0.2-0.8 % over none (session 11).
 __device__ __forceinline__ uint4 ld_stream(const uint4* ptr) {
   uint4 v;
-  if constexpr (HINT)
-    asm("ld.global.cs.L2::128B.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(ptr));
-  else
-    v = __ldcs(ptr);
+  asm("ld.global.cs.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(ptr));
   return v;
 }
 
@@ -122,7 +120,7 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
     if (t < te && j < dl) {
       const uint4* src = reinterpret_cast<const uint4*>(dbase + (int64_t)j * rb);
 #pragma unroll
-      for (int w = 0; w < W; ++w) buf[u][w] = ld_stream<!kIsQuant<T>>(src + w * vs);  // streamed once: evict first
+      for (int w = 0; w < W; ++w) buf[u][w] = ld_stream(src + w * vs);  // streamed once: evict first
     } else {
 #pragma unroll
       for (int w = 0; w < W; ++w) buf[u][w] = make_uint4(0, 0, 0, 0);
