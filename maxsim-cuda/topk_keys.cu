@@ -48,6 +48,24 @@ void launch_select(const void* src, const int64_t* ids, int64_t R, int64_t m, in
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// Keys one select_kernel CTA holds on the current device: kChunk, or fewer
+// where the opt-in shared memory per block is smaller (99 KB on sm_86 /
+// sm_89, 163 KB on sm_80, against 12 bytes per key plus the static part).
+int64_t select_chunk_cap() {
+  static int64_t cap[64] = {0};
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev < 64 && cap[dev] > 0) return cap[dev];
+  int optin = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  cudaFuncAttributes attr{};
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, topk_select::select_kernel<512, false>));
+  const int64_t fit = ((int64_t)optin - (int64_t)attr.sharedSizeBytes) / topk_select::kBytesPerKey / 256 * 256;
+  const int64_t c = std::max<int64_t>(1024, std::min<int64_t>(topk_select::kChunk, fit));
+  if (dev < 64) cap[dev] = c;
+  return c;
+}
+
 }  // namespace
 
 at::Tensor block_topk_cuda(const at::Tensor& scores, int64_t id0, int64_t k, const c10::optional<at::Tensor>& ids) {
@@ -74,7 +92,7 @@ at::Tensor block_topk_cuda(const at::Tensor& scores, int64_t id0, int64_t k, con
     bool keys = false;
     while (true) {
       const bool small = kk <= kSmallK;
-      const int64_t chunk = small ? std::min<int64_t>(m, kChunk) : kWideChunk;
+      const int64_t chunk = small ? std::min<int64_t>(m, select_chunk_cap()) : kWideChunk;
       const int64_t nchunks = (m + chunk - 1) / chunk;
       at::Tensor next = at::empty({R, nchunks * kk}, s.options().dtype(at::kLong));
       const void* src = keys ? (const void*)cur.data_ptr<int64_t>() : (const void*)s.data_ptr<float>();
