@@ -141,6 +141,28 @@ __device__ __forceinline__ int bin_shift(unsigned long long span) {
   return span == 0 ? 0 : max(0, 64 - __clzll(span) - kBinBits);
 }
 
+// After a pass found the need-th key in `bin` (above: keys in higher bins,
+// inbin: keys in it): true, with the cut at the bin's low edge, when the
+// keys from there up fit `cap` or the bin is one value (exact_cut: equal
+// keys, repeated explicit ids, need capping); else narrows [lo, hi] to the
+// bin for another pass.
+__device__ __forceinline__ bool narrow(int bin, int above, int inbin, int shift, int cap, unsigned long long& lo,
+                                       unsigned long long& hi, int& above_range, int& need, unsigned long long& cut,
+                                       bool& exact_cut) {
+  const unsigned long long blo = lo + ((unsigned long long)bin << shift);
+  const bool done = above_range + above + inbin <= cap || shift == 0;
+  need -= above;
+  if (done) {
+    cut = blo;
+    exact_cut = shift == 0;
+    return true;
+  }
+  above_range += above;
+  if (hi - blo > (1ull << shift) - 1) hi = blo + ((1ull << shift) - 1);  // no overflow
+  lo = blo;
+  return false;
+}
+
 template <int B>
 __device__ __forceinline__ void copy_async(void* dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"((uint32_t)__cvta_generic_to_shared(dst)),
@@ -396,17 +418,7 @@ __global__ void __launch_bounds__(T)
       }
       int bin, above, inbin;
       bin_pass<T, false>(v, c, lo, hi, shift, need, hp, wsum, bcast, bin, above, inbin);
-      const unsigned long long blo = lo + ((unsigned long long)bin << shift);
-      if (above_range + above + inbin <= cap || shift == 0) {
-        cut = blo;
-        exact_cut = shift == 0;  // one value: equal keys (repeated explicit ids) need capping
-        need -= above;
-        break;
-      }
-      above_range += above;
-      need -= above;
-      if (hi - blo > (1ull << shift) - 1) hi = blo + ((1ull << shift) - 1);  // no overflow
-      lo = blo;
+      if (narrow(bin, above, inbin, shift, cap, lo, hi, above_range, need, cut, exact_cut)) break;
     }
     // Gather: keys > cut, then (exact cut) `need` of those == cut, else all >= cut.
     const int vr = (c + T - 1) / T;
@@ -490,27 +502,9 @@ __global__ void __launch_bounds__(kWideThreads)
   int cnt = 0;
 #pragma unroll
   for (int e = 0; e < kWidePer; ++e) cnt += u[e] != 0;
-  warp_min_max_sum(mn, mx, cnt);
-  if (lane == 0) {
-    red[0][warp] = mn;
-    red[1][warp] = mx;
-    wsum[warp] = cnt;
-  }
-  __syncthreads();
-  if (warp == 0) {
-    mn = red[0][lane];
-    mx = red[1][lane];
-    cnt = wsum[lane];
-    warp_min_max_sum(mn, mx, cnt);
-    if (lane == 0) {
-      red[0][0] = mn;
-      red[1][0] = mx;
-      bcast[3] = cnt;
-    }
-  }
-  __syncthreads();
-  unsigned long long lo = red[0][0], hi = red[1][0];
-  const int live = bcast[3];
+  block_min_max_sum<32>(mn, mx, cnt, red, wsum);
+  unsigned long long lo = mn, hi = mx;
+  const int live = cnt;
   int need = min(kk, live);  // keys still to take from [lo, hi]
   int pk = 1;
   while (pk < kk) pk <<= 1;
@@ -574,17 +568,7 @@ __global__ void __launch_bounds__(kWideThreads)
       __syncthreads();
       const int bin = bcast[0], above = bcast[1], inbin = bcast[2];
       __syncthreads();  // bcast / hist / wsum are rewritten by the next pass
-      const unsigned long long blo = lo + ((unsigned long long)bin << shift);
-      if (above_range + above + inbin <= cap || shift == 0) {
-        cut = blo;
-        exact_cut = shift == 0;  // one value: equal keys (repeated explicit ids) need capping
-        need -= above;
-        break;
-      }
-      above_range += above;
-      need -= above;
-      if (hi - blo > (1ull << shift) - 1) hi = blo + ((1ull << shift) - 1);  // no overflow
-      lo = blo;
+      if (narrow(bin, above, inbin, shift, cap, lo, hi, above_range, need, cut, exact_cut)) break;
     }
   } else if (need > 0) {
     cut = lo;  // every real key fits the sort
