@@ -170,9 +170,11 @@ __device__ __forceinline__ void copy_async(void* dst, const void* src) {
                : "memory");
 }
 
-// Block-wide min / max / sum, every warp reducing the W warp partials
-// itself (one barrier).
-template <int W>
+// Block-wide min / max / sum. EVERY: each warp reduces the W warp partials
+// itself (one barrier); else warp 0 does and broadcasts them (two barriers,
+// fewer live registers: the register-resident select_wide_kernel measured
+// 3-7 % slower with EVERY, its spills growing).
+template <int W, bool EVERY = true>
 __device__ __forceinline__ void block_min_max_sum(unsigned long long& mn, unsigned long long& mx, int& cnt,
                                                   unsigned long long (*red)[W], int* wsum) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -183,10 +185,23 @@ __device__ __forceinline__ void block_min_max_sum(unsigned long long& mn, unsign
     wsum[warp] = cnt;
   }
   __syncthreads();
-  mn = lane < W ? red[0][lane] : ~0ull;
-  mx = lane < W ? red[1][lane] : 0;
-  cnt = lane < W ? wsum[lane] : 0;
-  warp_min_max_sum(mn, mx, cnt);
+  if (EVERY || warp == 0) {
+    mn = lane < W ? red[0][lane] : ~0ull;
+    mx = lane < W ? red[1][lane] : 0;
+    cnt = lane < W ? wsum[lane] : 0;
+    warp_min_max_sum(mn, mx, cnt);
+  }
+  if (!EVERY) {
+    if (warp == 0 && lane == 0) {  // warp 0's reads are behind its shuffles
+      red[0][0] = mn;
+      red[1][0] = mx;
+      wsum[0] = cnt;
+    }
+    __syncthreads();
+    mn = red[0][0];
+    mx = red[1][0];
+    cnt = wsum[0];
+  }
 }
 
 // Descending bitonic sort of one value per lane (no barriers).
@@ -502,7 +517,7 @@ __global__ void __launch_bounds__(kWideThreads)
   int cnt = 0;
 #pragma unroll
   for (int e = 0; e < kWidePer; ++e) cnt += u[e] != 0;
-  block_min_max_sum<32>(mn, mx, cnt, red, wsum);
+  block_min_max_sum<32, false>(mn, mx, cnt, red, wsum);
   unsigned long long lo = mn, hi = mx;
   const int live = cnt;
   int need = min(kk, live);  // keys still to take from [lo, hi]
