@@ -6,13 +6,14 @@
 // chunk's real keys).
 //
 // Keys are unsigned-ordered (u = key ^ sign; u = 0: empty slot, ignored).
-// The live range [lo, hi] is cut into 2048 bins by (u - lo) >> shift
-// (monotone in u); one pass counts the bins, a scan finds the bin of the
-// need-th key, and if at most max(256, 2 k) keys lie in that bin or above
-// they are gathered and sorted, exact ids breaking ties. Otherwise the range
-// narrows to that bin and the pass repeats (11 more bits each time). A first
-// pass over the threads' maxima (one each) narrows the range before any pass
-// over all keys; chunks of at most 256 live keys skip the histograms.
+// A range [lo, hi] is cut into 2048 bins by (u - lo) >> shift (monotone in
+// u); one pass counts the bins and a scan finds the bin of the need-th key.
+// select_kernel (k <= kSmallK): a first pass over the threads' maxima (one
+// each) bounds the need-th key from below, and only the keys at or above
+// that bound become candidates (all keys if over 2048); if more than
+// max(64, 1.5 k) candidates remain, passes over them narrow the range to the
+// need-th key's bin (11 bits each) until the keys from it up fit; those are
+// sorted, exact ids breaking ties.
 //
 // The kernel is one SM's latency, and measured (graph us on H100, n = 1 key)
 // its time grew with its static code: every phase runs once per warp, so
@@ -41,7 +42,7 @@ constexpr int kMaxK = 1024;
 constexpr int kBinBits = 11, kBins = 1 << kBinBits;
 constexpr int kCap = 2048;  // keys the final sort takes
 constexpr int kSmallK = 256;       // select_kernel up to this k, select_wide_kernel above
-constexpr int kChunk = 12 * 1024;  // keys per select_kernel CTA
+constexpr int kChunk = 12 * 1024;  // keys per select_kernel CTA (fewer where shared memory is smaller)
 constexpr unsigned long long kSign = 0x8000000000000000ull;  // signed key -> unsigned order
 constexpr int kBatch = 8;  // rounds of keys loaded at once per thread
 
@@ -480,7 +481,9 @@ __global__ void __launch_bounds__(T)
 // bitonic sort of up to 2048 winners. Its fixed per-phase cost is higher
 // (above), but for wide selects its register-resident passes and network
 // sort measured faster than the shared-memory passes and the run-merge
-// ranks (10k scores, k 400 / 1000: 15.6 / 19.1 us vs 18.1 / 42.3).
+// ranks (H100: k 400 of 10k keys / 1000 of 12288: 15.6 / 19.1 us vs 18.1
+// / 42.3). Its single pass takes the keys from the bin up when at most
+// max(256, 2 k) of them, chunks of <= 256 live keys skip it.
 constexpr int kWideThreads = 1024, kWidePer = 12, kWideChunk = kWideThreads * kWidePer;
 
 template <bool KEYS>
