@@ -29,6 +29,7 @@
 
 #include <cstdint>
 
+#include "common.cuh"  // cp.async wrappers
 #include "search_keys.h"
 
 #ifndef MAXSIM_SELECT_STAMP
@@ -162,13 +163,6 @@ __device__ __forceinline__ bool narrow(int bin, int above, int inbin, int shift,
   if (hi - blo > (1ull << shift) - 1) hi = blo + ((1ull << shift) - 1);  // no overflow
   lo = blo;
   return false;
-}
-
-template <int B>
-__device__ __forceinline__ void copy_async(void* dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"((uint32_t)__cvta_generic_to_shared(dst)),
-               "l"(src), "n"(B)
-               : "memory");
 }
 
 // Block-wide min / max / sum. EVERY: each warp reduces the W warp partials
@@ -314,18 +308,19 @@ __global__ void __launch_bounds__(T)
   MAXSIM_SELECT_STAMP(0);
   if constexpr (KEYS) {
     const int64_t* p = static_cast<const int64_t*>(in) + row * n + base;
-    for (int i = tid; i < m; i += T) copy_async<8>(key + i, p + i);
+    for (int i = tid; i < m; i += T) cuda_fwd::cp_async<8>(cuda_fwd::smem_u32(key + i), p + i, true);
   } else {
     const float* p = static_cast<const float*>(in) + row * n + base;
-    for (int i = tid; i < m; i += T) copy_async<4>(score + i, p + i);
+    for (int i = tid; i < m; i += T) cuda_fwd::cp_async<4>(cuda_fwd::smem_u32(score + i), p + i, true);
     if (ids)
-      for (int i = tid; i < m; i += T) copy_async<8>(key + i, ids + row * n + base + i);
+      for (int i = tid; i < m; i += T)
+        cuda_fwd::cp_async<8>(cuda_fwd::smem_u32(key + i), ids + row * n + base + i, true);
   }
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
+  cuda_fwd::cp_async_commit();
   // Zeroed meanwhile, ordered by the first barrier below.
   for (int i = tid; i < 2 * kBins; i += T) hist[0][i] = 0;
   if (tid < 2) count[tid] = 0;
-  asm volatile("cp.async.wait_all;\n" ::: "memory");
+  cuda_fwd::cp_async_wait_all();
   // Each thread reads only what it copied until the first barrier.
 
   // A key's score rank + 1 (0: no key), 32 bits: the cheap first look.
