@@ -195,8 +195,14 @@ def normalize_table(path: Path) -> str:
     return "\n".join(out)
 
 
+def _not_gpu_table(name: str) -> bool:
+    """JSON rendered elsewhere: cpu.json (its own table, last), the agreement
+    bound (perf notes)."""
+    return name == "cpu.json" or name.startswith("agreement-bound")
+
+
 def _special(name: str) -> bool:
-    return name == "cpu.json" or name.startswith("agreement-bound") or name.endswith(
+    return _not_gpu_table(name) or name.endswith(
         ("-cold-start.json", "-search.json", "-distributed.json", "-normalize.json"))
 
 
@@ -204,7 +210,7 @@ def render() -> str:
     parts = []
     res = ROOT / "bench_results"
     for p in sorted(res.glob("*.json")):
-        if p.name == "cpu.json" or p.name.startswith("agreement-bound"):  # cpu: below; the bound: perf notes
+        if _not_gpu_table(p.name):
             continue
         if p.name.endswith("-search.json"):
             parts.append(search_table(p))
