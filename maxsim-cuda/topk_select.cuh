@@ -32,10 +32,6 @@
 #include "common.cuh"  // cp.async wrappers
 #include "search_keys.h"
 
-#ifndef MAXSIM_SELECT_STAMP
-#define MAXSIM_SELECT_STAMP(i)  // phase timestamps for a profiling build
-#endif
-
 namespace maxsim {
 namespace topk_select {
 
@@ -305,7 +301,6 @@ __global__ void __launch_bounds__(T)
   unsigned long long* key = reinterpret_cast<unsigned long long*>(smem);  // [chunk]: ids / keys, then keys
   float* score = reinterpret_cast<float*>(smem + 8 * (size_t)chunk);     // [chunk]
   int64_t* o = out + (int64_t)blockIdx.x * kk;
-  MAXSIM_SELECT_STAMP(0);
   if constexpr (KEYS) {
     const int64_t* p = static_cast<const int64_t*>(in) + row * n + base;
     for (int i = tid; i < m; i += T) cuda_fwd::cp_async<8>(cuda_fwd::smem_u32(key + i), p + i, true);
@@ -346,7 +341,6 @@ __global__ void __launch_bounds__(T)
     tmax = max(tmax, r);
     live += r != 0;
   }
-  MAXSIM_SELECT_STAMP(1);
   // Block: the least / largest thread maximum, keys, threads holding any
   // (packed: keys < 2^16 per chunk, threads <= 1024).
   unsigned long long mnm = tmax ? tmax : ~0ull, mxm = tmax;
@@ -359,7 +353,6 @@ __global__ void __launch_bounds__(T)
     for (int r = tid; r < kk; r += T) o[r] = INT64_MIN;
     return;
   }
-  MAXSIM_SELECT_STAMP(2);
 
   // The need-th largest of the threads' maxima bounds the need-th key from
   // below (need distinct keys reach it): one histogram of T maxima leaves
@@ -401,7 +394,6 @@ __global__ void __launch_bounds__(T)
     v = key;
     c = m;
   }
-  MAXSIM_SELECT_STAMP(3);
 
   // Exact select among the c candidates v (keys; 0: none): sorted whole
   // when few, else binned passes down to at most `cap` of them.
@@ -465,9 +457,7 @@ __global__ void __launch_bounds__(T)
     v = sel;
     c = min(count[1], kCap);
   }
-  MAXSIM_SELECT_STAMP(4);
   sort_out<T>(v, c, kk, o);
-  MAXSIM_SELECT_STAMP(5);
 }
 
 
