@@ -64,8 +64,10 @@ struct FwdParams {
   // Streaming kernel: warps per pair (1, 2, 4), the whole-sector lane layout
   // and the per-CTA query staging (<= 0 / < 0: the launcher's heuristic);
   // the last stream_tail pairs split over 4 warps, one pair per CTA after
-  // the first stream_head_blocks CTAs (< 0: the launcher's heuristic).
-  int stream_split, stream_il, stream_qsm;
+  // the first stream_head_blocks CTAs (< 0: the launcher's heuristic);
+  // stream_keep: plain document loads that leave them in L2 (> 0) or
+  // evict-first streamed loads (0).
+  int stream_split, stream_il, stream_qsm, stream_keep;
   int64_t stream_tail, stream_head_blocks;
   // Outputs.
   float* scores;

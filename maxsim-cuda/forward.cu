@@ -68,6 +68,8 @@ void set_stream_mode(int split, int il, int qsm) {
   g_stream_il = il;
   g_stream_qsm = qsm;
 }
+static int g_stream_keep = -1;  // plain (L2-keeping) document loads (-1 = heuristic)
+void set_stream_keep(int keep) { g_stream_keep = keep; }
 static int64_t g_stream_tail = -1;  // streaming kernel tail pairs split over 4 warps (-1 = heuristic)
 void set_stream_tail(int64_t pairs) { g_stream_tail = pairs; }
 
@@ -408,6 +410,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
     p.stream_il = g_stream_il;
     p.stream_qsm = g_stream_qsm;
     p.stream_tail = g_stream_tail;
+    p.stream_keep = g_stream_keep;
     run_stream_any(dtype, p, mean_ld, prop->multiProcessorCount, stream);
     return {scores, argmax};
   }

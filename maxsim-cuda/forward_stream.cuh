@@ -29,6 +29,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 
 #include "common.cuh"
@@ -63,6 +64,15 @@ __device__ __forceinline__ uint32_t u4_word(const uint4& v, int w) {
 __device__ __forceinline__ uint4 ld_stream(const uint4* ptr) {
   uint4 v;
   asm("ld.global.cs.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(ptr));
+  return v;
+}
+
+// The same load at the normal L2 priority: documents that fit in L2 stay
+// there for the next call (see stream_keep in launch_stream_mt).
+__device__ __forceinline__ uint4 ld_keep(const uint4* ptr) {
+  uint4 v;
+  asm("ld.global.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(ptr));
   return v;
 }
@@ -115,12 +125,13 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
   // One scale per document (the caller's promise): applied to the row sum's
   // terms at the end instead of to every product, and no scale loads.
   const bool doc_sc = SC && p.d_scale_per_doc;
+  const bool keep = p.stream_keep > 0;
   auto fetch = [&](int t, int u) {
     const int j = t * 8 + g;
     if (t < te && j < dl) {
       const uint4* src = reinterpret_cast<const uint4*>(dbase + (int64_t)j * rb);
 #pragma unroll
-      for (int w = 0; w < W; ++w) buf[u][w] = ld_stream(src + w * vs);  // streamed once: evict first
+      for (int w = 0; w < W; ++w) buf[u][w] = keep ? ld_keep(src + w * vs) : ld_stream(src + w * vs);
     } else {
 #pragma unroll
       for (int w = 0; w < W; ++w) buf[u][w] = make_uint4(0, 0, 0, 0);
@@ -317,9 +328,13 @@ void run_stream(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st);
 // the S = 4 grid fills <= 2/3 of a wave, else S = 2 while that grid fits
 // one wave (few pairs: the chain is the whole time; H100, 1 query x 66
 // documents of 300 tokens: 15.2 -> 7.5 us, session 15), else S = 1;
-// several waves -> the largest S leaving >= 11 tiles per warp. 8-bit rows
-// measured no gain from any of the three (search-10k), so they keep S = 1.
-// Either way a grid of several waves ends on split pairs (stream_tail).
+// up to ~2 waves at S = 1 -> S = 1 (the tail split below balances them:
+// H100, Rerank 33.1 -> 31.4 us, 64 x 50 documents of 200 tokens 63.9 ->
+// 61.1, equal elsewhere; session 17), more -> the largest S leaving >= 11
+// tiles per warp (one query x 10k documents: S = 1 is 0.7 % slower). 8-bit
+// rows measured no gain from any of the three (search-10k), so they keep
+// S = 1. Either way a grid of several waves ends on split pairs
+// (stream_tail).
 template <typename T, int KS, int MT>
 void launch_stream_mt(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st) {
   auto kern = stream_fwd_kernel<T, KS, MT>;
@@ -337,7 +352,7 @@ void launch_stream_mt(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st
       if (p.P <= slots)
         S = ntile >= 64 || 4 * p.P * 3 <= 2 * slots ? 4 : 2 * p.P <= slots ? 2 : 1;
       else
-        S = ntile >= 44 ? 4 : ntile >= 22 ? 2 : 1;
+        S = 4 * p.P <= 9 * slots ? 1 : ntile >= 44 ? 4 : ntile >= 22 ? 2 : 1;
     }
     p.stream_split = S;
   }
@@ -362,6 +377,16 @@ void launch_stream_mt(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st
   MAXSIM_CHECK(blocks() <= INT32_MAX, "maxsim: too many pairs (%lld) for one launch", (long long)p.P);
   if (p.stream_il < 0) p.stream_il = b16 ? 1 : 0;
   if (p.stream_qsm < 0) p.stream_qsm = p.stream_split >= 4 ? 1 : 0;
+  if (p.stream_keep < 0) {
+    // Documents read once per call are streamed evict-first, unless they
+    // fit well inside L2: then plain loads keep them for the next call
+    // (H100, same inputs scored again: 400 documents of 300 tokens, 31 MB,
+    // 16.2 -> 11.0 us; corpora larger than L2 gain nothing and lose 1-2 %
+    // to plain loads: session 17).
+    const int64_t rows = std::min<int64_t>(p.Td, p.P * std::max<int64_t>(mean_ld, 1));
+    const int64_t l2 = at::cuda::getCurrentDeviceProperties()->l2CacheSize;
+    p.stream_keep = rows * p.row_bytes * 4 <= l2 * 3 ? 1 : 0;
+  }
   kern<<<(unsigned)blocks(), kStreamWarps * 32, 0, st>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
