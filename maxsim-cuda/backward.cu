@@ -30,6 +30,7 @@
 
 #include "backward_kernels.cuh"
 #include "normalize_rows.cuh"
+#include "smem_opt_in.h"
 #include "torch_binding.h"
 
 namespace maxsim {
@@ -61,14 +62,8 @@ bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 =
 
 template <class T, class A, int VEC, class O>
 void set_dd_smem(size_t smem) {
-  static int set_bytes[64] = {0};  // per device, raised monotonically
-  if (smem <= 48 * 1024) return;
-  int dev = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  if (dev >= 64 || (int)smem > set_bytes[dev]) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(dd_kernel<T, A, VEC, O>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    if (dev < 64) set_bytes[dev] = (int)smem;
-  }
+  static int set_bytes[kSmemOptInDevices] = {};
+  opt_in_dynamic_smem(dd_kernel<T, A, VEC, O>, smem, set_bytes);
 }
 
 // Resident CTAs per SM allowed by registers / threads (shared memory apart).

@@ -27,6 +27,7 @@
 #include <c10/cuda/CUDAException.h>
 
 #include "common.cuh"
+#include "smem_opt_in.h"
 
 namespace maxsim {
 namespace cuda_fwd {
@@ -572,14 +573,8 @@ namespace cuda_fwd {
 template <typename T, int CFG, bool ARG, int SCM>
 inline void prepare_mma(size_t smem) {
   using C = typename MmaCfgOf<CFG>::type;
-  static int set_bytes[64] = {0};  // per device, raised monotonically
-  int dev = 0;
-  cudaGetDevice(&dev);
-  if (dev < 64 && (int)smem > set_bytes[dev]) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(mma_fwd_kernel<T, C, ARG, SCM>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        (int)smem));
-    set_bytes[dev] = (int)smem;
-  }
+  static int set_bytes[kSmemOptInDevices] = {};
+  opt_in_dynamic_smem(mma_fwd_kernel<T, C, ARG, SCM>, smem, set_bytes);
 }
 
 template <typename T, int CFG, bool ARG, int SCM>

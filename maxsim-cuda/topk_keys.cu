@@ -12,6 +12,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "search_keys.h"
+#include "smem_opt_in.h"
 #include "topk_select.cuh"
 #include "torch_binding.h"
 
@@ -37,13 +38,8 @@ void launch_select(const void* src, const int64_t* ids, int64_t R, int64_t m, in
   using namespace topk_select;
   auto kernel = select_kernel<T, KEYS>;
   const int smem = kBytesPerKey * (int)chunk;
-  static int set_bytes[64] = {0};  // per device, raised monotonically
-  int dev = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  if (dev >= 64 || smem > set_bytes[dev]) {  // beyond 48 KB with the static part: opt in
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    if (dev < 64) set_bytes[dev] = smem;
-  }
+  static int set_bytes[kSmemOptInDevices] = {};
+  opt_in_dynamic_smem(kernel, smem, set_bytes);
   kernel<<<(unsigned)(R * nchunks), T, smem, stream>>>(src, ids, m, id0, (int)nchunks, (int)chunk, (int)kk, out);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
