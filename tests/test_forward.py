@@ -304,6 +304,29 @@ def test_short_query_streaming_shapes(ms, device, dtype, dim, lq):
     assert_close(out, ref, dtype)
 
 
+def test_one_query_corpus_larger_than_l2(ms, device, dtype):
+    """One query against 268 MB of 16-bit documents: more than L2 on any
+    GPU, so the CUDA streaming kernel reads them evict-first (smaller
+    document sets, as in the tests above, take plain L2-keeping loads);
+    token-mask holes and a NaN token included."""
+    if device != "cuda" or dtype == torch.float32:
+        pytest.skip("the load-policy switch is the CUDA streaming kernel's (16-bit tokens)")
+    g = torch.Generator(device=device).manual_seed(17)
+    nd, ld = 4096, 256
+    unit = lambda *s: torch.nn.functional.normalize(torch.randn(*s, device=device, generator=g), dim=-1).to(dtype)
+    Q, D = unit(1, 32, 128), unit(nd, ld, 128)
+    dm = torch.rand(nd, ld, device=device, generator=g) > 0.2
+    dm[11] = False
+    D[4000, 7, 5] = float("nan")
+    dm[4000, 7] = True
+    out = ms.maxsim(Q, D, None, dm)
+    ref = ms.maxsim_reference(Q, D, None, dm)
+    assert torch.isnan(out[0, 4000]) and out[0, 11] == 0
+    keep = torch.ones(nd, dtype=torch.bool, device=device)
+    keep[4000] = False
+    assert_close(out[:, keep], ref[:, keep], dtype)
+
+
 @pytest.mark.parametrize("dim", [64, 128])
 def test_one_query_many_documents(ms, device, dtype, dim):
     """More documents than a GPU keeps streaming warps resident (1056 on an
