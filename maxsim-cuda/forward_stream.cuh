@@ -328,7 +328,7 @@ void run_stream(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st);
 // the S = 4 grid fills <= 2/3 of a wave, else S = 2 while that grid fits
 // one wave (few pairs: the chain is the whole time; H100, 1 query x 66
 // documents of 300 tokens: 15.2 -> 7.5 us, session 15), else S = 1;
-// up to ~2 waves at S = 1 -> S = 1 (the tail split below balances them:
+// up to 2.25 waves at S = 1 -> S = 1 (the tail split below balances them:
 // H100, Rerank 33.1 -> 31.4 us, 64 x 50 documents of 200 tokens 63.9 ->
 // 61.1, equal elsewhere; session 17), more -> the largest S leaving >= 11
 // tiles per warp (one query x 10k documents: S = 1 is 0.7 % slower). 8-bit
@@ -381,7 +381,7 @@ void launch_stream_mt(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st
     // Documents read once per call are streamed evict-first, unless they
     // fit well inside L2: then plain loads keep them for the next call
     // (H100, same inputs scored again: 400 documents of 300 tokens, 31 MB,
-    // 16.2 -> 11.0 us; corpora larger than L2 gain nothing and lose 1-2 %
+    // 16.2 -> 11.0 us; document sets past L2 gain nothing and lose 1.5-5 %
     // to plain loads: session 17).
     const int64_t rows = std::min<int64_t>(p.Td, p.P * std::max<int64_t>(mean_ld, 1));
     const int64_t l2 = at::cuda::getCurrentDeviceProperties()->l2CacheSize;
