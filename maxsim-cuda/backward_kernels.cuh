@@ -335,7 +335,7 @@ __device__ __forceinline__ void smem_read(const float* __restrict__ row, int l, 
 // ---------------------------------------------------------------------------
 // Dynamic shared memory: max(PC * 20 + PC * BR * 4, kThreads * VEC * 4) bytes.
 template <class T, class A, int VEC, class O>
-__global__ void __launch_bounds__(kThreads, 3) dq_kernel(const BwdParams p, int64_t item0) {
+__device__ __forceinline__ void dq_cta(const BwdParams& p, int64_t item) {
   using V = Vec<T, VEC>;
   using raw_t = typename V::raw_t;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -343,7 +343,6 @@ __global__ void __launch_bounds__(kThreads, 3) dq_kernel(const BwdParams p, int6
   const int G = 1 << p.lgG, NG = kThreads >> p.lgG;
   const int gi = tid >> p.lgG, l = tid & (G - 1);
 
-  int64_t item = item0 + blockIdx.x;
   const int h = (int)(item % p.H);
   item /= p.H;
   const int b = (int)(item % p.NB);
@@ -470,7 +469,7 @@ __host__ __device__ constexpr size_t dd_fixed_smem() {
 
 // Dynamic shared memory: R * G * VEC * 4 + dd_fixed_smem() bytes.
 template <class T, class A, int VEC, class O>
-__global__ void __launch_bounds__(kThreads, 2) dd_kernel(const BwdParams p, int64_t item0) {
+__device__ __forceinline__ void dd_cta(const BwdParams& p, int64_t item) {
   using V = Vec<T, VEC>;
   using raw_t = typename V::raw_t;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -478,7 +477,6 @@ __global__ void __launch_bounds__(kThreads, 2) dd_kernel(const BwdParams p, int6
   const int G = 1 << p.lgG, NG = kThreads >> p.lgG;  // NG <= 32
   const int gi = tid >> p.lgG, l = tid & (G - 1);
 
-  int64_t item = item0 + blockIdx.x;
   const int h = (int)(item % p.H);
   item /= p.H;
   const int c = (int)(item % p.C);
@@ -639,6 +637,28 @@ __global__ void __launch_bounds__(kThreads, 2) dd_kernel(const BwdParams p, int6
   }
 
   zero_gap<O, VEC>(out, p.d_start, drows, j, p.Nd, p.Td, dim, c, p.C, gi, NG, col, vok);
+}
+
+// Launch forms. CTAs item0 + blockIdx.x of one kind; or, for grids of one
+// wave, both kinds in one launch (blocks [0, n_dq) dq, the rest dd): the
+// two run side by side as on two streams, for one launch and no stream
+// fork / join on the host (the step of a small batch is host-bound).
+template <class T, class A, int VEC, class O>
+__global__ void __launch_bounds__(kThreads, 3) dq_kernel(const BwdParams p, int64_t item0) {
+  dq_cta<T, A, VEC, O>(p, item0 + blockIdx.x);
+}
+
+template <class T, class A, int VEC, class O>
+__global__ void __launch_bounds__(kThreads, 2) dd_kernel(const BwdParams p, int64_t item0) {
+  dd_cta<T, A, VEC, O>(p, item0 + blockIdx.x);
+}
+
+template <class T, class A, int VEC, class O>
+__global__ void __launch_bounds__(kThreads, 2) dqdd_kernel(const BwdParams p, int n_dq) {
+  if ((int)blockIdx.x < n_dq)
+    dq_cta<T, A, VEC, O>(p, blockIdx.x);
+  else
+    dd_cta<T, A, VEC, O>(p, (int64_t)blockIdx.x - n_dq);
 }
 
 }  // namespace cuda_bwd

@@ -83,18 +83,25 @@ def _check_rank(name: str, t: Tensor, dim: int, layout: str) -> None:
         raise ValueError(f"{name} must be {dim}-D {layout}, got shape {tuple(t.shape)}")
 
 
-def _check_same(named: dict) -> None:
-    items = [(k, v) for k, v in named.items() if v is not None]
-    first, t0 = items[0]
-    for name, t in items[1:]:
-        if t.device != t0.device:
-            raise ValueError(f"{name} is on {t.device} but {first} is on {t0.device}; "
+def _check_same(*named) -> None:
+    """``name, tensor, name, tensor, ...`` (None skipped): one device, and one
+    dtype among the floating-point ones. Runs on every call: kept lean."""
+    first = t0 = fname = f0 = None
+    for i in range(1, len(named), 2):
+        t = named[i]
+        if t is None:
+            continue
+        if t0 is None:
+            first, t0 = named[i - 1], t
+        elif t.device != t0.device:
+            raise ValueError(f"{named[i - 1]} is on {t.device} but {first} is on {t0.device}; "
                              "all tensors must be on one device")
-    floats = [(k, v) for k, v in items if v.dtype.is_floating_point]
-    for name, t in floats[1:]:
-        if t.dtype != floats[0][1].dtype:
-            raise TypeError(f"{name} has dtype {t.dtype} but {floats[0][0]} has "
-                            f"{floats[0][1].dtype}; queries and documents must share a dtype")
+        if t.dtype.is_floating_point:
+            if f0 is None:
+                fname, f0 = named[i - 1], t
+            elif t.dtype != f0.dtype:
+                raise TypeError(f"{named[i - 1]} has dtype {t.dtype} but {fname} has "
+                                f"{f0.dtype}; queries and documents must share a dtype")
 
 
 def _check_dim(qname: str, q: Tensor, dname: str, d: Tensor) -> None:
@@ -246,8 +253,8 @@ def _candidates(queries, documents, query_lengths, doc_lengths, *, mode, validat
         _check_lengths("query_lengths", query_lengths, (B,))
     if doc_lengths is not None:
         _check_lengths("doc_lengths", doc_lengths, (B, K))
-    _check_same(dict(queries=queries, documents=documents, query_lengths=query_lengths,
-                     doc_lengths=doc_lengths))
+    _check_same("queries", queries, "documents", documents, "query_lengths", query_lengths,
+                "doc_lengths", doc_lengths)
     if validate:
         if query_lengths is not None:
             _validate_lengths("query_lengths", query_lengths, Lq)
@@ -317,8 +324,8 @@ def _contrastive(queries, documents, document_offsets, query_lengths, *, mode, v
     Nb = document_offsets.shape[0] - 1
     if query_lengths is not None:
         _check_lengths("query_lengths", query_lengths, (Nq,))
-    _check_same(dict(queries=queries, documents=documents, document_offsets=document_offsets,
-                     query_lengths=query_lengths))
+    _check_same("queries", queries, "documents", documents, "document_offsets", document_offsets,
+                "query_lengths", query_lengths)
     if validate:
         _validate_offsets("document_offsets", document_offsets, T)
         if query_lengths is not None:
@@ -382,9 +389,9 @@ def _pairs(queries, query_offsets, documents, document_offsets, pair_query_ids, 
         if off.shape[0] < 1:
             raise ValueError(f"{name} must have at least one entry (0)")
     _check_dim("queries", queries, "documents", documents)
-    _check_same(dict(queries=queries, query_offsets=query_offsets, documents=documents,
-                     document_offsets=document_offsets, pair_query_ids=pair_query_ids,
-                     pair_document_ids=pair_document_ids))
+    _check_same("queries", queries, "query_offsets", query_offsets, "documents", documents,
+                "document_offsets", document_offsets, "pair_query_ids", pair_query_ids,
+                "pair_document_ids", pair_document_ids)
     Tq, Td = queries.shape[0], documents.shape[0]
     Nq, Nd = query_offsets.shape[0] - 1, document_offsets.shape[0] - 1
     if validate:
@@ -474,7 +481,7 @@ def maxsim(Q: Tensor, D: Tensor, q_mask: Optional[Tensor] = None, d_mask: Option
         _check_mask("q_mask", q_mask, Q.shape[:2])
     if d_mask is not None:
         _check_mask("d_mask", d_mask, D.shape[:-1])
-    _check_same(dict(Q=Q, D=D, q_mask=q_mask, d_mask=d_mask))
+    _check_same("Q", Q, "D", D, "q_mask", q_mask, "d_mask", d_mask)
     Ld = D.shape[-2]
     n_docs = D.shape[0] * (D.shape[1] if D.dim() == 4 else 1)
     out_shape = (Nq, D.shape[1] if D.dim() == 4 else D.shape[0])
