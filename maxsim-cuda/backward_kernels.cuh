@@ -639,10 +639,9 @@ __device__ __forceinline__ void dd_cta(const BwdParams& p, int64_t item) {
   zero_gap<O, VEC>(out, p.d_start, drows, j, p.Nd, p.Td, dim, c, p.C, gi, NG, col, vok);
 }
 
-// Launch forms. CTAs item0 + blockIdx.x of one kind; or, for grids of one
-// wave, both kinds in one launch (blocks [0, n_dq) dq, the rest dd): the
-// two run side by side as on two streams, for one launch and no stream
-// fork / join on the host (the step of a small batch is host-bound).
+// Launch forms: CTAs item0 + blockIdx.x of one kind (one gradient needed),
+// or both kinds in one grid (blocks [0, n_dq) dq, the rest dd): they write
+// disjoint outputs and share the SMs, with one launch on the host.
 template <class T, class A, int VEC, class O>
 __global__ void __launch_bounds__(kThreads, 3) dq_kernel(const BwdParams p, int64_t item0) {
   dq_cta<T, A, VEC, O>(p, item0 + blockIdx.x);
