@@ -640,8 +640,10 @@ __device__ __forceinline__ void dd_cta(const BwdParams& p, int64_t item) {
 }
 
 // Launch forms: CTAs item0 + blockIdx.x of one kind (one gradient needed),
-// or both kinds in one grid (blocks [0, n_dq) dq, the rest dd): they write
-// disjoint outputs and share the SMs, with one launch on the host.
+// or both kinds in one grid (blocks [0, n_dd) dd, the rest dq): they write
+// disjoint outputs and share the SMs, with one launch on the host. dd's
+// CTAs go first: they are the longer ones, and dq's fill the SMs as they
+// drain (dq first measured 1-5 % slower, alternating 6-15 %).
 template <class T, class A, int VEC, class O>
 __global__ void __launch_bounds__(kThreads, 3) dq_kernel(const BwdParams p, int64_t item0) {
   dq_cta<T, A, VEC, O>(p, item0 + blockIdx.x);
@@ -653,11 +655,12 @@ __global__ void __launch_bounds__(kThreads, 2) dd_kernel(const BwdParams p, int6
 }
 
 template <class T, class A, int VEC, class O>
-__global__ void __launch_bounds__(kThreads, 2) dqdd_kernel(const BwdParams p, int n_dq) {
-  if ((int)blockIdx.x < n_dq)
-    dq_cta<T, A, VEC, O>(p, blockIdx.x);
+__global__ void __launch_bounds__(kThreads, 2) dqdd_kernel(const BwdParams p, int n_dd) {
+  const int b = (int)blockIdx.x;
+  if (b < n_dd)
+    dd_cta<T, A, VEC, O>(p, b);
   else
-    dd_cta<T, A, VEC, O>(p, (int64_t)blockIdx.x - n_dq);
+    dq_cta<T, A, VEC, O>(p, b - n_dd);
 }
 
 }  // namespace cuda_bwd
