@@ -1,15 +1,17 @@
 // maxsim::backward_cuda: host dispatch of the backward kernels
 // (backward_kernels.cuh; contract in torch_binding.h).
 //
-// One launch on the current stream, no host synchronisation, no workspace:
-// dq_kernel or dd_kernel when only one gradient is needed, dqdd_kernel (both
-// kinds of CTA in one grid) when both are. Under normalize, first the inverse row norms, then the kernels
-// write fp32 row sums that normalize_grad turns into dq / dd (a workspace of
-// fp32 rows, so the Jacobian sees unrounded sums). Outputs are allocated uninitialised and fully written by the
-// kernels (segment rows by their owners, the rows between segments by the
-// gap rule in backward_kernels.cuh), so there is no memset either; when there
-// is nothing to compute (P == 0, lq == 0, no segments) they come back as
-// zeros without a launch.
+// One launch of the gradient kernels on the current stream, no host
+// synchronisation, no workspace: dq_kernel or dd_kernel when only one
+// gradient is needed, dqdd_kernel (both kinds of CTA in one grid) when both
+// are. Under normalize, first the inverse row norms, then the kernels write
+// fp32 row sums that normalize_grad turns into dq / dd (a workspace of fp32
+// rows, so the Jacobian sees unrounded sums). Outputs are allocated
+// uninitialised and fully written by the kernels (segment rows by their
+// owners, the rows between segments by the gap rule in
+// backward_kernels.cuh), so there is no memset either; when there is
+// nothing to compute (P == 0, lq == 0, no segments) they come back as zeros
+// without a launch.
 //
 // Work decomposition (from shapes and the device's occupancy only, so a given
 // shape on a given GPU model always takes the same path and gives bitwise
