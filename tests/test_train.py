@@ -275,6 +275,30 @@ def test_backward_is_deterministic(ms, device, dtype):
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused CUDA backward grid")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_backward_grid_of_several_waves(ms, dtype):
+    """dq and dd from one grid of more CTAs than the GPU holds at once (dd's
+    first, then dq's), against fp64 sums over the forward's own argmax (so
+    near-ties cannot move the reference)."""
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    nq, nd, lq, ld, dim = 96, 96, 32, 200, 128
+    Q = torch.randn(nq, lq, dim, device="cuda", generator=gen).to(dtype).requires_grad_()
+    D = torch.randn(nd, ld, dim, device="cuda", generator=gen).to(dtype).requires_grad_()
+    g = torch.randn(nq, nd, device="cuda", generator=gen)
+    (ms.maxsim(Q, D) * g).sum().backward()
+    offsets = torch.arange(0, nd * ld + 1, ld, device="cuda")
+    _, am = ms.score_contrastive_with_argmax(Q.detach(), D.detach().reshape(-1, dim), offsets)
+    idx = am.long()                                              # [nq, nd, lq]
+    Qd, Dd, gd = Q.detach().double(), D.detach().double(), g.double()
+    rows = torch.arange(nd, device="cuda")[None, :, None] * ld + idx
+    dq = torch.einsum("qn,qnid->qid", gd, Dd.reshape(-1, dim)[rows])
+    dd = torch.zeros(nd * ld, dim, device="cuda", dtype=torch.float64)
+    dd.index_add_(0, rows.reshape(-1), (gd[:, :, None, None] * Qd[:, None]).reshape(-1, dim))
+    assert relerr(Q.grad, dq) <= GRAD_TOL[dtype]
+    assert relerr(D.grad, dd.view(nd, ld, dim)) <= GRAD_TOL[dtype]
+
+
 # ---------------------------------------------------------------------------
 # fp64 on the CPU: the forward is exact in fp64, so torch.autograd.gradcheck
 # can compare the backward kernel against finite differences.
