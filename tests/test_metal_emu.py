@@ -46,8 +46,9 @@ def _reference():
 REF = _reference()
 
 
-@pytest.fixture(scope="module")
-def emu():
+def _load_emu():
+    """The emulator module (built once into .cache), configured from the
+    environment."""
     from torch.utils.cpp_extension import load
 
     # MAXSIM_EMU_ASAN=1: AddressSanitizer build, to catch out-of-bounds device
@@ -68,13 +69,21 @@ def emu():
         build_directory=str(build),
         verbose=False,
     )
-    # MAXSIM_EMU_MODE=threads|ucontext and MAXSIM_EMU_SCHEDULE=<seed> rerun
-    # everything with OS threads or a randomized fiber schedule.
-    mode = os.environ.get("MAXSIM_EMU_MODE", "fibers")
-    schedule = int(os.environ.get("MAXSIM_EMU_SCHEDULE", "0"))
-    mod.configure(path="auto", mode=mode, workers=0, schedule=schedule)
+    mod.configure(path="auto", mode=_MODE, workers=0, schedule=_SCHEDULE)
+    return mod
+
+
+# MAXSIM_EMU_MODE=threads|ucontext and MAXSIM_EMU_SCHEDULE=<seed> rerun
+# everything with OS threads or a randomized fiber schedule.
+_MODE = os.environ.get("MAXSIM_EMU_MODE", "fibers")
+_SCHEDULE = int(os.environ.get("MAXSIM_EMU_SCHEDULE", "0"))
+
+
+@pytest.fixture(scope="module")
+def emu():
+    mod = _load_emu()
     yield mod
-    mod.configure(path="auto", mode=mode, workers=0, schedule=schedule)
+    mod.configure(path="auto", mode=_MODE, workers=0, schedule=_SCHEDULE)
 
 
 # ----------------------------------------------------------------------------
@@ -284,14 +293,17 @@ def test_selftest_simdgroup_matrix(emu):
 
 
 def test_emulator_reports_misuse(emu):
-    prev = emu.settings()
+    """Each misuse raises with its message. Run in a child process (reusing
+    the build the fixture made): these are the emulator's error paths, and
+    a crash in one of them (seen on one Linux image with Python 3.12, a
+    segfault at the first) would otherwise end the whole test run."""
     # Fibers find a deadlock at once; OS threads (the fallback where fibers are
     # unavailable, e.g. macOS arm64) by timeout.
-    emu.configure(mode="fibers", timeout_s=3.0)
-    try:
-        _misuse(emu)
-    finally:
-        emu.configure(mode=prev["mode"], timeout_s=60.0)
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_metal_emu as t; "
+            "m = t._load_emu(); m.configure(mode='fibers', timeout_s=3.0); t._misuse(m); print('misuse: ok')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and "misuse: ok" in r.stdout, (
+        f"exit status {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
 
 
 def _misuse(emu):
