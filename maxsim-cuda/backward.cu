@@ -181,8 +181,9 @@ void launch(BwdParams& p, bool do_dq, bool do_dd, int NG, cudaStream_t st) {
   // -> 0.196, 256 x 256 queries x documents 0.614 -> 0.606, 8 x 8 0.0264
   // -> 0.0238, Contrastive 0.0330 -> 0.0311, no shape slower.
   if (n_dq > 0 && n_dd > 0 && n_dq + n_dd <= kMaxGrid) {
-    set_dqdd_smem<T, A, VEC, O>(std::max(smem_dq, smem_dd));
-    dqdd_kernel<T, A, VEC, O><<<(unsigned)(n_dq + n_dd), kThreads, std::max(smem_dq, smem_dd), st>>>(p, (int)n_dd);
+    const size_t smem = std::max(smem_dq, smem_dd);
+    set_dqdd_smem<T, A, VEC, O>(smem);
+    dqdd_kernel<T, A, VEC, O><<<(unsigned)(n_dq + n_dd), kThreads, smem, st>>>(p, (int)n_dd);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
