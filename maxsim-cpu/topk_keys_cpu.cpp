@@ -2,6 +2,7 @@
 // kernels in maxsim-cuda/topk_keys.cu (contract in retrieval.py).
 #include <ATen/Parallel.h>
 
+#include "rescore_compose.h"
 #include "search_keys.h"
 #include "torch_binding.h"
 
@@ -38,6 +39,15 @@ std::tuple<at::Tensor, at::Tensor> decode_keys_cpu(const at::Tensor& keys) {
   int64_t* ip = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < k.numel(); ++i) search_keys::decode(kp[i], sp[i], ip[i]);
   return {s, ids};
+}
+
+std::tuple<at::Tensor, at::Tensor> rescore_topk_cpu(const at::Tensor& q, const at::Tensor& q_start,
+                                                    const at::Tensor& q_len, const std::optional<at::Tensor>& q_mask,
+                                                    const at::Tensor& d, const at::Tensor& d_start,
+                                                    const at::Tensor& d_len, const std::optional<at::Tensor>& d_mask,
+                                                    const at::Tensor& keys, int64_t lq, int64_t k) {
+  return rescore_topk_composed(&forward_cpu, &block_topk_cpu, &decode_keys_cpu, q, q_start, q_len, q_mask, d, d_start,
+                               d_len, d_mask, keys, lq, k);
 }
 
 }  // namespace maxsim

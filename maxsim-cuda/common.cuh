@@ -19,6 +19,10 @@ namespace maxsim {
 namespace cuda_fwd {
 
 constexpr int kCrossL = 0, kGroupedL = 1, kListL = 2;
+// Host-internal (never an op's layout argument): LIST pairs given as search
+// keys, pair p = (p / pair_kc, the id of pair_keys[p]); the streaming kernel
+// only (rescore_topk.cu).
+constexpr int kKeysL = 3;
 
 struct FwdParams {
   const char* q;  // [Tq, dim] raw bytes
@@ -31,6 +35,8 @@ struct FwdParams {
   const bool* d_mask;  // nullable
   const int* pair_q;   // LIST only
   const int* pair_d;
+  const int64_t* pair_keys;  // kKeysL only: [Nq, pair_kc] search keys
+  int64_t pair_kc;
   // Per-token scales: the value of token row r is scale[r] * stored row.
   // 8-bit tokens (forward_quant) always; float tokens under `normalize`
   // (inverse row norms); else null.
@@ -75,6 +81,14 @@ struct FwdParams {
   int argmax_kind;
   float* ws_best;  // row_mode 1: [tpq, P]; row_mode 2: [S, P, lq]
   int* ws_idx;     // row_mode 2: [S, P, lq] (argmax only)
+  // kKeysL with a fused top-k (streaming kernel): rank_done [Nq] zeroed
+  // counters of scored pairs per row; the CTA that completes row n ranks its
+  // pair_kc scores and writes the top rank_k decoded to rank_scores /
+  // rank_ids [Nq, rank_k].
+  int* rank_done;
+  int64_t rank_k;
+  float* rank_scores;
+  int64_t* rank_ids;
 };
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
@@ -155,9 +169,13 @@ __device__ __forceinline__ void pair_ids(const FwdParams& p, int64_t pr, int64_t
   } else if (p.layout == kGroupedL) {
     n = pr / p.K;
     dn = pr;
-  } else {
+  } else if (p.layout == kListL) {
     n = p.pair_q[pr];
     dn = p.pair_d[pr];
+  } else {  // kKeysL: an empty slot (INT64_MIN) -> id -1, invalid
+    n = pr / p.pair_kc;
+    const int64_t key = p.pair_keys[pr];
+    dn = key == INT64_MIN ? -1 : 0xFFFFFFFFll - (key & 0xFFFFFFFFll);
   }
 }
 

@@ -33,6 +33,7 @@
 #include <c10/cuda/CUDAException.h>
 
 #include "common.cuh"
+#include "search_keys.h"
 
 namespace maxsim {
 namespace cuda_fwd {
@@ -83,8 +84,75 @@ __device__ __forceinline__ uint32_t f8x2_to_h2(uint32_t w) {
   return (uint32_t)h.x | ((uint32_t)h.y << 16);
 }
 
-// KS: k steps (row bytes / 32); MT: m tiles of 16 query rows (lq <= 16 * MT).
-template <typename T, int KS, int MT>
+// Rows of at most this many candidates rank in the fused top-k below.
+constexpr int kRankMax = 512;
+
+// The fused top-k of rescore_topk (kKeysL, rank_done set): pairs [lo, hi)
+// are this CTA's; the CTA that completes a row's count ranks its pair_kc
+// scores (every key against every key: <= kRankMax of them, a few us on one
+// SM, where a select launch and two decode / cast kernels cost more) in
+// block_topk's order -- higher score, then lower id; NaN, then empty slots
+// last; equal keys by position -- and writes the top rank_k decoded, (-inf,
+// -1) past the candidates. Every thread of the CTA calls it; keys: shared
+// memory for kRankMax keys.
+__device__ __forceinline__ void rank_rows(const FwdParams& p, int64_t lo, int64_t hi, long long* keys) {
+  constexpr int NT = kStreamWarps * 32, R = kRankMax / NT;
+  __shared__ int rows[1 + kStreamWarps];
+  const int tid = threadIdx.x;
+  const int64_t kc = p.pair_kc, k = p.rank_k;
+  __threadfence();  // this CTA's score stores, before its counts
+  __syncthreads();
+  if (tid == 0) {
+    int nl = 0;
+    for (int64_t a = lo; a < hi;) {
+      const int64_t n = a / kc, b = min(hi, (n + 1) * kc);
+      if (atomicAdd(p.rank_done + n, (int)(b - a)) + (b - a) == kc) rows[1 + nl++] = (int)n;
+      a = b;
+    }
+    rows[0] = nl;
+    __threadfence();  // the counted CTAs' stores, before the reads below
+  }
+  __syncthreads();
+  const int nl = rows[0];
+  for (int r = 0; r < nl; ++r) {
+    const int64_t n = rows[1 + r];
+    for (int i = tid; i < kc; i += NT) {
+      const int64_t key = p.pair_keys[n * kc + i];
+      const int64_t id = key == INT64_MIN ? -1 : search_keys::kLow - (key & search_keys::kLow);
+      keys[i] = search_keys::encode_id(__ldcg(p.scores + n * kc + i), id);
+    }
+    __syncthreads();
+    long long mine[R];
+    int rank[R];
+#pragma unroll
+    for (int e = 0; e < R; ++e) {
+      const int i = tid + e * NT;
+      mine[e] = i < kc ? keys[i] : 0;
+      rank[e] = 0;
+    }
+    const int re = (int)((kc + NT - 1) / NT);
+    for (int j = 0; j < kc; ++j) {
+      const long long y = keys[j];
+#pragma unroll
+      for (int e = 0; e < R; ++e)
+        if (e < re) rank[e] += y > mine[e] || (y == mine[e] && j < tid + e * NT);
+    }
+#pragma unroll
+    for (int e = 0; e < R; ++e) {
+      const int i = tid + e * NT;
+      if (i < kc && rank[e] < k) search_keys::decode(mine[e], p.rank_scores[n * k + rank[e]], p.rank_ids[n * k + rank[e]]);
+    }
+    for (int64_t x = kc + tid; x < k; x += NT) {
+      p.rank_scores[n * k + x] = neg_inf();
+      p.rank_ids[n * k + x] = -1;
+    }
+    __syncthreads();  // keys: the next row
+  }
+}
+
+// KS: k steps (row bytes / 32); MT: m tiles of 16 query rows (lq <= 16 * MT);
+// RK: the fused top-k of rescore_topk (rank_rows; 16-bit tokens only).
+template <typename T, int KS, int MT, bool RK>
 __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const FwdParams p) {
 #if MAXSIM_STREAM_DEVICE
   constexpr bool SC = kIsQuant<T>;
@@ -269,6 +337,7 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
       best[mt][h] = max_nan(best[mt][h], __shfl_xor_sync(0xffffffffu, best[mt][h], 1));
       best[mt][h] = max_nan(best[mt][h], __shfl_xor_sync(0xffffffffu, best[mt][h], 2));
     }
+  bool writer = true;  // the pair's first warp writes its score
   if (SP > 1) {  // the pair's warps combine their row maxima (max is order-free)
     __shared__ float red[kStreamWarps][32];
 #pragma unroll
@@ -277,26 +346,37 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
       for (int h = 0; h < 2; ++h)
         if (c == 0) red[warp][16 * mt + 8 * h + g] = best[mt][h];
     __syncthreads();
-    if (part != 0 || !live) return;
-    for (int o = 1; o < SP; ++o)
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) best[mt][h] = max_nan(best[mt][h], red[warp + o][16 * mt + 8 * h + g]);
-  }
-  float v = neg_inf();
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float x = __shfl_sync(0xffffffffu, best[mt][h], 4 * (lane & 7));
-      if ((lane >> 3) == 2 * mt + h) v = x;
+    if (part != 0 || !live) {
+      if constexpr (!RK) return;
+      writer = false;
     }
-  bool use = ok && lane < ql && v != neg_inf();
-  if (use && p.q_mask != nullptr) use = p.q_mask[(int64_t)qs + lane];
-  if (SC && use) v *= doc_sc ? p.q_scale[(int64_t)qs + lane] * p.d_scale[ds] : p.q_scale[(int64_t)qs + lane];
-  const float sum = warp_sum(use ? v : 0.f);
-  if (lane == 0 && live) p.scores[pr] = ok ? sum : __int_as_float(0x7fc00000);
+    if (writer)
+      for (int o = 1; o < SP; ++o)
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) best[mt][h] = max_nan(best[mt][h], red[warp + o][16 * mt + 8 * h + g]);
+  }
+  if (writer) {
+    float v = neg_inf();
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float x = __shfl_sync(0xffffffffu, best[mt][h], 4 * (lane & 7));
+        if ((lane >> 3) == 2 * mt + h) v = x;
+      }
+    bool use = ok && lane < ql && v != neg_inf();
+    if (use && p.q_mask != nullptr) use = p.q_mask[(int64_t)qs + lane];
+    if (SC && use) v *= doc_sc ? p.q_scale[(int64_t)qs + lane] * p.d_scale[ds] : p.q_scale[(int64_t)qs + lane];
+    const float sum = warp_sum(use ? v : 0.f);
+    if (lane == 0 && live) p.scores[pr] = ok ? sum : __int_as_float(0x7fc00000);
+  }
+  if constexpr (RK) {  // kKeysL with the fused top-k (the whole CTA)
+    const int64_t lo = tail ? pr : (int64_t)blockIdx.x * (kStreamWarps / SP);
+    const int64_t hi = tail ? pr + 1 : min(lo + kStreamWarps / SP, p.P - p.stream_tail);
+    rank_rows(p, lo, hi, reinterpret_cast<long long*>(qsh));
+  }
 #endif
 }
 
@@ -335,9 +415,9 @@ void run_stream(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st);
 // rows measured no gain from any of the three (search-10k), so they keep
 // S = 1. Either way a grid of several waves ends on split pairs
 // (stream_tail).
-template <typename T, int KS, int MT>
+template <typename T, int KS, int MT, bool RK>
 void launch_stream_mt(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st) {
-  auto kern = stream_fwd_kernel<T, KS, MT>;
+  auto kern = stream_fwd_kernel<T, KS, MT, RK>;
   constexpr bool b16 = !kIsQuant<T>;
   static const int per_sm = [&] {
     int b = 0;
@@ -393,10 +473,19 @@ void launch_stream_mt(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st
 
 template <typename T, int KS>
 void launch_stream(const FwdParams& p, int64_t mean_ld, int num_sms, cudaStream_t st) {
+  constexpr bool b16 = !kIsQuant<T>;
+  if (b16 && p.rank_done != nullptr) {
+    if (p.lq <= 16)
+      launch_stream_mt<T, KS, 1, b16>(p, mean_ld, num_sms, st);
+    else
+      launch_stream_mt<T, KS, 2, b16>(p, mean_ld, num_sms, st);
+    return;
+  }
+  MAXSIM_CHECK(p.rank_done == nullptr, "maxsim: the fused top-k takes 16-bit tokens");
   if (p.lq <= 16)
-    launch_stream_mt<T, KS, 1>(p, mean_ld, num_sms, st);
+    launch_stream_mt<T, KS, 1, false>(p, mean_ld, num_sms, st);
   else
-    launch_stream_mt<T, KS, 2>(p, mean_ld, num_sms, st);
+    launch_stream_mt<T, KS, 2, false>(p, mean_ld, num_sms, st);
 }
 
 template <typename T>

@@ -53,6 +53,26 @@ def test_compile_forward(ms, device, name):
     assert_close(compiled(*args), eager, torch.float32)
 
 
+def test_compile_rescore_topk(ms, device):
+    """The search re-score op (fake kernel: [Nq, k] scores and ids) traces
+    without a graph break; bf16 takes the fused kernel on CUDA."""
+    gen = torch.Generator().manual_seed(2)
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    q = rand(12, 32, device=device, gen=gen).to(dt)
+    docs = rand(20, 32, device=device, gen=gen).to(dt)
+    i32 = dict(device=device, dtype=torch.int32)
+    qs, ql = torch.tensor([0, 6], **i32), torch.tensor([6, 5], **i32)
+    ds, dl = torch.tensor([0, 5, 5, 12], **i32), torch.tensor([5, 0, 7, 8], **i32)
+    keys = ms.retrieval.encode_keys(torch.zeros(2, 3, device=device),
+                                    torch.tensor([[3, 0, 2], [1, -1, 3]], device=device))
+    fn = lambda k: ms.ops.rescore_topk(q, qs, ql, None, docs, ds, dl, None, k, 6, 4)  # noqa: E731
+    eager = fn(keys)
+    torch._dynamo.reset()
+    got = torch.compile(fn, fullgraph=True, backend="aot_eager")(keys)
+    assert torch.equal(got[1], eager[1]) and torch.equal(got[0], eager[0])
+    assert eager[1].tolist()[1][2:] == [-1, -1] and eager[0].shape == (2, 4)
+
+
 TRAIN = {
     "candidates": lambda ms, Q, D, ql, dl, docs, off, qoff, pq, pd: ms.score_candidates_padded_train(Q, D, ql, dl),
     "contrastive": lambda ms, Q, D, ql, dl, docs, off, qoff, pq, pd: ms.score_contrastive_train(Q, docs, off),

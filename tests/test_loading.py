@@ -38,7 +38,7 @@ def test_get_kernel_with_local_kernels_env():
     assert "torch.Size([2, 2])" in out.stdout
 
 
-@pytest.mark.parametrize("op", ["forward", "backward"])
+@pytest.mark.parametrize("op", ["forward", "backward", "rescore_topk"])
 def test_compiled_kernels_serve_present_devices(ms, device, op):
     key = {"cpu": "CPU", "cuda": "CUDA", "mps": "MPS"}[device]
     if (op, key) == ("backward", "CUDA") and (op, key) in ms.FALLBACKS:

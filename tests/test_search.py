@@ -559,3 +559,94 @@ def test_8bit_one_query_scan_exact(ms, device, kind, dim, lq):
     off = torch.arange(N + 1) * L
     ref = ref_scores(ms, deq_q, deq_d, off, q_mask=qmask, d_mask=mask.reshape(-1))
     check_topk(s, ids, ref, 40, 1e-5)
+
+
+def _rescore_case(ms, device, dtype, dim, lq, nq, kc, gen):
+    """Packed documents (empty ones, a NaN token, two identical documents),
+    queries with a mask, and candidate keys per query: distinct ids, an empty
+    slot, an id past the documents and the two twins."""
+    nd = 600
+    lens = torch.randint(0, 41, (nd,), generator=gen)
+    lens[5] = 0
+    lens[8] = lens[9] = 17
+    off = torch.zeros(nd + 1, dtype=torch.int64)
+    off[1:] = lens.cumsum(0)
+    docs = rand(int(off[-1]), dim, gen=gen)
+    docs[off[9]:off[10]] = docs[off[8]:off[9]]  # documents 8 and 9 tie
+    docs[off[11] + 1, 3] = float("nan")
+    docs = docs.to(dtype)
+    dmask = torch.rand(int(off[-1]), generator=gen) < 0.9
+    dmask[off[9]:off[10]] = dmask[off[8]:off[9]]
+    q = rand(nq * lq, dim, gen=gen).to(dtype)
+    qmask = torch.rand(nq * lq, generator=gen) < 0.85
+    qmask[::lq] = True
+    ids = torch.stack([torch.randperm(nd - 12, generator=gen)[:kc] + 12 for _ in range(nq)])
+    if kc >= 6:
+        ids[0, :5] = torch.tensor([8, 9, 5, 11, nd + 3])  # twins, empty document, NaN, past the end
+        ids[-1, 1] = -1  # an empty slot
+    keys = ms.retrieval.encode_keys(torch.randn(nq, kc, generator=gen), ids)
+    q_start = (torch.arange(nq, dtype=torch.int32) * lq)
+    q_len = torch.full((nq,), lq, dtype=torch.int32)
+    d_start, d_len = off[:-1].to(torch.int32), lens.to(torch.int32)
+    to = lambda t: t.to(device)  # noqa: E731
+    return (to(q), to(q_start), to(q_len), to(qmask), to(docs), to(d_start), to(d_len), to(dmask), to(keys)), off
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dim,lq", [(64, 32), (128, 17), (32, 1), (96, 9), (128, 40), (48, 32)])
+@pytest.mark.parametrize("nq,kc,k", [(1, 100, 10), (3, 7, 12), (5, 97, 97), (9, 99, 30), (8, 500, 50), (2, 513, 5)])
+@pytest.mark.parametrize("device", DEVICES)
+def test_rescore_topk_op(ms, device, dtype, dim, lq, nq, kc, k):
+    """rescore_topk (on CUDA one kernel for 16-bit rows of 64-256 bytes, lq <=
+    32, <= 512 candidates; the composition elsewhere) equals the composition
+    of decode_keys, the LIST forward, block_topk and decode_keys bitwise, and
+    its scores are the fp64 reference's for the ids it returns: twins in id
+    order, the NaN candidate after every number, the empty slot last,
+    (-inf, -1) past the candidates."""
+    g = torch.Generator().manual_seed(dim * 1000 + lq * 10 + kc)
+    args, off = _rescore_case(ms, device, dtype, dim, lq, nq, kc, g)
+    q, q_start, q_len, qmask, docs, d_start, d_len, dmask, keys = args
+    s, ids = ms.ops.rescore_topk(*args, lq, k)
+    assert s.shape == ids.shape == (nq, k) and s.dtype == torch.float32 and ids.dtype == torch.int64
+    # the composition of the existing ops
+    _, cand = ms.ops.decode_keys(keys)
+    pd = torch.where(cand < d_start.numel(), cand, -1).reshape(-1).to(torch.int32)
+    pq = torch.arange(nq, dtype=torch.int32, device=device).repeat_interleave(kc)
+    sc, _ = ms.ops.forward(q, q_start, q_len, qmask, docs, d_start, d_len, dmask, pq, pd, 2, lq, 0, False)
+    top = ms.retrieval.merge_topk(ms.ops.block_topk(sc.view(nq, kc), 0, k, cand), k)
+    s0, ids0 = ms.ops.decode_keys(top)
+    assert torch.equal(ids.cpu(), ids0.cpu())
+    assert torch.equal(s.cpu().view(torch.int32), s0.cpu().view(torch.int32))
+    # against fp64: every returned id's score, in the keys' order
+    ref, _ = ms.reference.forward(q.cpu(), q_start.cpu(), q_len.cpu(), qmask.cpu(), docs.cpu(), d_start.cpu(),
+                                  d_len.cpu(), dmask.cpu(), pq.cpu(), pd.cpu(), 2, lq, 0, False,
+                                  accum=torch.float64)
+    ref = ref.view(nq, kc)
+    ids_c, s_c, cand_c = ids.cpu(), s.cpu().double(), cand.cpu()
+    tol = TOL[dtype] * float(torch.nan_to_num(ref, nan=0.0).abs().max().clamp_min(1.0))
+    for n in range(nq):
+        real = int(((cand_c[n] >= 0)).sum())
+        assert (ids_c[n, real:] == -1).all() and torch.isneginf(s_c[n, real:]).all()
+        for r in range(min(k, real)):
+            c = int((cand_c[n] == ids_c[n, r]).nonzero()[0])
+            want = ref[n, c]
+            assert (torch.isnan(s_c[n, r]) and torch.isnan(want)) or abs(float(s_c[n, r] - want)) <= tol
+        row = s_c[n, :min(k, real)]
+        fin = row[~torch.isnan(row)]
+        assert (fin[:-1] >= fin[1:]).all()  # best first
+        nan_at = torch.isnan(row).nonzero()
+        assert nan_at.numel() == 0 or int(nan_at[0]) == fin.numel()  # NaN after every number
+    if kc >= 6 and (ids_c[0] == 8).any() and (ids_c[0] == 9).any():
+        r8, r9 = int((ids_c[0] == 8).nonzero()[0]), int((ids_c[0] == 9).nonzero()[0])
+        assert s_c[0, r8] == s_c[0, r9] and r9 == r8 + 1  # twins: equal scores, lower id first
+
+
+def test_rescore_topk_op_errors(ms):
+    args = [torch.zeros(4, 8), torch.zeros(1, dtype=torch.int32), torch.full((1,), 4, dtype=torch.int32), None,
+            torch.zeros(6, 8), torch.zeros(2, dtype=torch.int32), torch.full((2,), 3, dtype=torch.int32), None]
+    with pytest.raises(RuntimeError, match="keys"):
+        ms.ops.rescore_topk(*args, torch.zeros(1, 3, dtype=torch.int32), 4, 2)
+    with pytest.raises(RuntimeError, match="one row per query"):
+        ms.ops.rescore_topk(*args, torch.zeros(2, 3, dtype=torch.int64), 4, 2)
+    with pytest.raises(RuntimeError, match="k must be"):
+        ms.ops.rescore_topk(*args, torch.zeros(1, 3, dtype=torch.int64), 4, -1)

@@ -27,6 +27,9 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.def("block_topk(Tensor scores, int id0, int k, Tensor? ids=None) -> Tensor keys");
   ops.def("decode_keys(Tensor keys) -> (Tensor scores, Tensor ids)");
   ops.def(
+      "rescore_topk(Tensor q, Tensor q_start, Tensor q_len, Tensor? q_mask, Tensor d, "
+      "Tensor d_start, Tensor d_len, Tensor? d_mask, Tensor keys, int lq, int k) -> (Tensor scores, Tensor ids)");
+  ops.def(
       "backward(Tensor grad, Tensor q, Tensor q_start, Tensor q_len, "
       "Tensor d, Tensor d_start, Tensor d_len, Tensor? pair_q, "
       "Tensor? pair_d, Tensor argmax, int layout, Tensor? q_ptr, "
@@ -39,6 +42,7 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.impl("quantize", torch::kCPU, &maxsim::quantize_cpu);
   ops.impl("block_topk", torch::kCPU, &maxsim::block_topk_cpu);
   ops.impl("decode_keys", torch::kCPU, &maxsim::decode_keys_cpu);
+  ops.impl("rescore_topk", torch::kCPU, &maxsim::rescore_topk_cpu);
   ops.impl("backward", torch::kCPU, &maxsim::backward_cpu);
 #endif
 #if defined(CUDA_KERNEL)
@@ -48,6 +52,7 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.impl("quantize", torch::kCUDA, &maxsim::quantize_cuda);
   ops.impl("block_topk", torch::kCUDA, &maxsim::block_topk_cuda);
   ops.impl("decode_keys", torch::kCUDA, &maxsim::decode_keys_cuda);
+  ops.impl("rescore_topk", torch::kCUDA, &maxsim::rescore_topk_cuda);
   ops.impl("backward", torch::kCUDA, &maxsim::backward_cuda);
 #endif
 #if defined(METAL_KERNEL)

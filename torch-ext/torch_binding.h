@@ -85,6 +85,19 @@ using QuantizeFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor& x, int64
 using BlockTopkFn = at::Tensor(const at::Tensor& scores, int64_t id0, int64_t k, const c10::optional<at::Tensor>& ids);
 using DecodeKeysFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor& keys);
 
+// Re-scoring search candidates: keys [Nq, kc] int64 search keys whose ids
+// are documents (d_start / d_len rows; id -1 = an empty slot); candidate c of
+// row n is scored against query n as the LIST pair (n, id) of forward
+// (float q / d; an id past the documents scores NaN). Returns the top k of
+// each row decoded -- (scores fp32, ids int64) [Nq, k], block_topk's order
+// (higher score, then lower id; NaN, then empty slots last), (-inf, -1) past
+// the candidates. CUDA: one kernel for 16-bit tokens (the streaming forward
+// with the select fused), else the composition of the three ops.
+using RescoreTopkFn = std::tuple<at::Tensor, at::Tensor>(
+    const at::Tensor& q, const at::Tensor& q_start, const at::Tensor& q_len, const std::optional<at::Tensor>& q_mask,
+    const at::Tensor& d, const at::Tensor& d_start, const at::Tensor& d_len, const std::optional<at::Tensor>& d_mask,
+    const at::Tensor& keys, int64_t lq, int64_t k);
+
 // Backward from the saved argmax. grad [P] fp32. Returns (dq [Tq, dim],
 // dd [Td, dim]) in the input dtype, fp32-accumulated, each row written by
 // exactly one owner (deterministic). Rows no pair selects are zero. A gradient
@@ -111,6 +124,7 @@ ForwardQuantFn forward_quant_cpu;
 QuantizeFn quantize_cpu;
 BlockTopkFn block_topk_cpu;
 DecodeKeysFn decode_keys_cpu;
+RescoreTopkFn rescore_topk_cpu;
 BackwardFn backward_cpu;
 #endif
 #if defined(CUDA_KERNEL)
@@ -119,6 +133,7 @@ ForwardQuantFn forward_quant_cuda;
 QuantizeFn quantize_cuda;
 BlockTopkFn block_topk_cuda;
 DecodeKeysFn decode_keys_cuda;
+RescoreTopkFn rescore_topk_cuda;
 BackwardFn backward_cuda;
 #endif
 #if defined(METAL_KERNEL)

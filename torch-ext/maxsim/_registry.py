@@ -24,6 +24,7 @@ FORWARD_QUANT = add_op_namespace_prefix("forward_quant")
 QUANTIZE = add_op_namespace_prefix("quantize")
 BLOCK_TOPK = add_op_namespace_prefix("block_topk")
 DECODE_KEYS = add_op_namespace_prefix("decode_keys")
+RESCORE_TOPK = add_op_namespace_prefix("rescore_topk")
 BACKWARD = add_op_namespace_prefix("backward")
 
 #: (op name, dispatch key) pairs served by the Python reference.
@@ -77,6 +78,11 @@ def _decode_keys_fake(keys):
     return keys.new_empty(keys.shape, dtype=torch.float32), torch.empty_like(keys)
 
 
+@torch.library.register_fake(RESCORE_TOPK)
+def _rescore_topk_fake(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, keys, lq, k):
+    return keys.new_empty((keys.shape[0], k), dtype=torch.float32), keys.new_empty((keys.shape[0], k))
+
+
 @torch.library.register_fake(BACKWARD)
 def _backward_fake(grad, q, q_start, q_len, d, d_start, d_len, pair_q, pair_d, argmax,
                    layout, q_ptr, q_pairs, d_ptr, d_pairs, need_dq, need_dd, normalize=False):
@@ -128,6 +134,20 @@ def _reference_decode_keys(keys):
     return retrieval.decode_keys(keys)
 
 
+def _reference_rescore_topk(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, keys, lq, k):
+    _warn_fallback("rescore_topk", q.device.type)
+    from . import retrieval
+
+    _, ids = retrieval.decode_keys(keys)
+    nq, kc = keys.shape
+    pair_d = torch.where(ids < d_start.shape[0], ids, -1).reshape(-1).to(torch.int32)
+    pair_q = torch.arange(nq, device=keys.device, dtype=torch.int32).repeat_interleave(kc)
+    s, _ = reference.forward(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d,
+                             reference.LIST, lq, 0, False)
+    top = retrieval.merge_topk(retrieval.encode_keys(s.view(nq, kc).float(), ids), k)
+    return retrieval.decode_keys(top)
+
+
 def _reference_backward(grad, q, q_start, q_len, d, d_start, d_len, pair_q, pair_d, argmax,
                         layout, q_ptr, q_pairs, d_ptr, d_pairs, need_dq, need_dd, normalize=False):
     _warn_fallback("backward", q.device.type)
@@ -140,7 +160,8 @@ def _register_fallbacks() -> None:
     for key in ("CPU", "CUDA", "MPS"):
         for name, impl in ((FORWARD, _reference_forward), (FORWARD_TRAIN, _reference_forward),
                            (FORWARD_QUANT, _reference_forward_quant), (QUANTIZE, _reference_quantize), (BLOCK_TOPK, _reference_block_topk),
-                           (DECODE_KEYS, _reference_decode_keys), (BACKWARD, _reference_backward)):
+                           (DECODE_KEYS, _reference_decode_keys), (RESCORE_TOPK, _reference_rescore_topk),
+                           (BACKWARD, _reference_backward)):
             if not torch._C._dispatch_has_kernel_for_dispatch_key(name, key):
                 torch.library.impl(name, key)(impl)
                 FALLBACKS.add((name.split("::")[1], key))

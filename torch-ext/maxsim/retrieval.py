@@ -25,8 +25,8 @@ from typing import Iterator, Optional
 import torch
 
 from ._registry import ops
-from .reference import CROSS, GROUPED, LIST
-from .scoring import _cached_index, _padded_segments
+from .reference import CROSS, GROUPED
+from .scoring import _padded_segments
 
 Tensor = torch.Tensor
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -473,40 +473,37 @@ def as_corpus(corpus, device) -> Corpus:
     return corpus
 
 
-def _rescore(q, q_start, q_len, qm, Nq, Lq, corpus, keys, k, dev) -> Tensor:
+def _rescore(q, q_start, q_len, qm, Nq, Lq, corpus, keys, k, dev) -> tuple[Tensor, Tensor]:
     """Exact scores of each query's candidate keys [Nq, kc] from the corpus'
-    original tokens; -> the top-k keys."""
+    original tokens; -> the top k (scores, ids)."""
     kc = keys.shape[1]
     if kc == 0 or Nq == 0:
-        return merge_topk(keys[:, :0], k)
-    _, cand = ops.decode_keys(keys)
+        return ops.decode_keys(merge_topk(keys[:, :0], k))
     orig = corpus.originals[0]
     q = q.to(orig.dtype)
     if orig.device == dev:
         # Originals where the compute is: the candidates are documents of the
-        # corpus (same rows as the compressed tokens), scored in place as a
-        # pair list (query n, candidate id; id -1: no candidate, NaN score).
-        pair_q = _cached_index(("pair-queries", Nq, kc), dev,
-                               lambda: torch.arange(Nq, device=dev, dtype=torch.int32).repeat_interleave(kc))
-        scores, _ = ops.forward(q, q_start, q_len, qm, orig, corpus.starts, corpus.lengths, corpus.originals[1],
-                                pair_q, cand.view(-1).to(torch.int32), LIST, Lq, 0, False)
-        scores = scores.view(Nq, kc)
-    else:  # originals elsewhere (pinned / host): gather the candidates' tokens
-        L = max(corpus.originals[4], 1)
-        # Queries per group: gathered candidate tokens of about 256 MiB at most.
-        per = max(1, (256 << 20) // max(1, kc * L * orig.shape[1] * orig.element_size()))
-        parts = []
-        for n0 in range(0, Nq, per):
-            n1 = min(Nq, n0 + per)
-            tok, m, st, ln = corpus._gather_originals(cand[n0:n1].reshape(-1), dev)
-            qs, ql = q_start[n0:n1] - q_start[n0], q_len[n0:n1]
-            rows = slice(n0 * Lq, n1 * Lq)
-            part, _ = ops.forward(q[rows], qs, ql, None if qm is None else qm[rows], tok, st, ln, m,
-                                  None, None, GROUPED, Lq, 0, False)
-            parts.append(part.view(n1 - n0, kc))
-        scores = parts[0] if len(parts) == 1 else torch.cat(parts)
+        # corpus (same rows as the compressed tokens), scored in place and
+        # ranked by one op (on CUDA one kernel for 16-bit tokens).
+        return ops.rescore_topk(q, q_start, q_len, qm, orig, corpus.starts, corpus.lengths, corpus.originals[1],
+                                keys, Lq, k)
+    # Originals elsewhere (pinned / host): gather the candidates' tokens.
+    _, cand = ops.decode_keys(keys)
+    L = max(corpus.originals[4], 1)
+    # Queries per group: gathered candidate tokens of about 256 MiB at most.
+    per = max(1, (256 << 20) // max(1, kc * L * orig.shape[1] * orig.element_size()))
+    parts = []
+    for n0 in range(0, Nq, per):
+        n1 = min(Nq, n0 + per)
+        tok, m, st, ln = corpus._gather_originals(cand[n0:n1].reshape(-1), dev)
+        qs, ql = q_start[n0:n1] - q_start[n0], q_len[n0:n1]
+        rows = slice(n0 * Lq, n1 * Lq)
+        part, _ = ops.forward(q[rows], qs, ql, None if qm is None else qm[rows], tok, st, ln, m,
+                              None, None, GROUPED, Lq, 0, False)
+        parts.append(part.view(n1 - n0, kc))
+    scores = parts[0] if len(parts) == 1 else torch.cat(parts)
     top = ops.block_topk(scores, 0, k, cand)  # id -1 (no candidate): empty slot; sorted
-    return top if top.shape[1] == k else merge_topk(top, k)
+    return ops.decode_keys(top if top.shape[1] == k else merge_topk(top, k))
 
 
 def search(queries: Tensor, corpus, k: int, *, query_lengths: Optional[Tensor] = None,
@@ -566,7 +563,8 @@ def search(queries: Tensor, corpus, k: int, *, query_lengths: Optional[Tensor] =
     if keys.shape[1] < k:
         keys = merge_topk(keys, k)
     if corpus.originals is not None:
-        keys = _rescore(q, q_start, q_len, qm, Nq, Lq, corpus, keys, k_final, dev)
+        scores, ids = _rescore(q, q_start, q_len, qm, Nq, Lq, corpus, keys, k_final, dev)
+        return (scores[0], ids[0]) if single else (scores, ids)
     if single:
         return ops.decode_keys(keys[0])
     return ops.decode_keys(keys)

@@ -1,0 +1,98 @@
+// rescore_topk on CUDA: the exact re-score of search candidates (contract in
+// torch_binding.h). For 16-bit tokens the streaming forward takes the
+// candidates straight from their keys (kKeysL: no decode / cast kernels) and
+// the last CTA of each row ranks the row (rank_rows, forward_stream.cuh):
+// one kernel, plus the zeroed row counters, where the composition launches
+// decode, an int32 cast, the forward, a select and a decode. Elsewhere (fp32
+// tokens, lq > 32, rows the streaming kernel does not take, rows of more
+// than kRankMax candidates) the composition runs.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "forward_stream.cuh"
+#include "rescore_compose.h"
+#include "torch_binding.h"
+
+namespace maxsim {
+
+std::tuple<at::Tensor, at::Tensor> rescore_topk_cuda(const at::Tensor& q, const at::Tensor& q_start,
+                                                     const at::Tensor& q_len, const std::optional<at::Tensor>& q_mask,
+                                                     const at::Tensor& d, const at::Tensor& d_start,
+                                                     const at::Tensor& d_len, const std::optional<at::Tensor>& d_mask,
+                                                     const at::Tensor& keys, int64_t lq, int64_t k) {
+  using namespace cuda_fwd;
+  check_rescore_args(q_start, keys, k);
+  TORCH_CHECK(q.is_cuda() && d.is_cuda() && keys.is_cuda(), "maxsim: rescore_topk: CUDA tensors expected");
+  c10::cuda::CUDAGuard guard(q.device());
+  const int64_t Nq = keys.size(0), kc = keys.size(1), Nd = d_start.numel();
+  const auto t = q.scalar_type();
+  const auto* prop = at::cuda::getCurrentDeviceProperties();
+  const bool b16 = (t == at::kHalf || t == at::kBFloat16) && d.scalar_type() == t;
+  const bool idx = [&] {
+    for (const at::Tensor* x : {&q_start, &q_len, &d_start, &d_len})
+      if (!(x->is_cuda() && x->scalar_type() == at::kInt && x->dim() == 1 && x->is_contiguous())) return false;
+    return q_len.numel() == Nq && d_len.numel() == Nd;
+  }();
+  const bool shape = q.dim() == 2 && d.dim() == 2 && q.size(1) == d.size(1) && lq >= 1 && lq <= 32;
+  const int64_t mean_ld = Nd > 0 ? d.size(0) / Nd : 0;
+  const bool fused_ok = b16 && idx && shape && k > 0 && kc >= 1 && kc <= kRankMax && Nq * kc <= INT32_MAX &&
+                        prop->major >= 8 && mean_ld <= 4096;
+  if (!fused_ok)
+    return rescore_topk_composed(&forward_cuda, &block_topk_cuda, &decode_keys_cuda, q, q_start, q_len, q_mask, d,
+                                 d_start, d_len, d_mask, keys, lq, k);
+  const at::Tensor qc = q.contiguous(), dc = d.contiguous(), kk = keys.contiguous();
+  at::Tensor qm, dm;
+  if (q_mask.has_value() && q_mask->defined()) {
+    qm = q_mask->to(at::kBool).contiguous();
+    TORCH_CHECK(qm.is_cuda() && qm.numel() == qc.size(0), "maxsim: q_mask must be [Tq]");
+  }
+  if (d_mask.has_value() && d_mask->defined()) {
+    dm = d_mask->to(at::kBool).contiguous();
+    TORCH_CHECK(dm.is_cuda() && dm.numel() == dc.size(0), "maxsim: d_mask must be [Td]");
+  }
+  FwdParams p{};
+  p.q = static_cast<const char*>(qc.data_ptr());
+  p.d = static_cast<const char*>(dc.data_ptr());
+  p.q_start = q_start.data_ptr<int>();
+  p.q_len = q_len.data_ptr<int>();
+  p.q_mask = qm.defined() ? qm.data_ptr<bool>() : nullptr;
+  p.d_start = d_start.data_ptr<int>();
+  p.d_len = d_len.data_ptr<int>();
+  p.d_mask = dm.defined() ? dm.data_ptr<bool>() : nullptr;
+  p.pair_keys = kk.data_ptr<int64_t>();
+  p.pair_kc = kc;
+  p.Tq = qc.size(0);
+  p.Td = dc.size(0);
+  p.row_bytes = qc.size(1) * qc.element_size();
+  p.Nq = Nq;
+  p.Nd = Nd;
+  p.P = Nq * kc;
+  p.K = 1;
+  p.layout = kKeysL;
+  p.lq = (int)lq;
+  if (!stream_shape_ok(t, lq, false, false, prop->major * 10 + prop->minor, p))
+    return rescore_topk_composed(&forward_cuda, &block_topk_cuda, &decode_keys_cuda, q, q_start, q_len, q_mask, d,
+                                 d_start, d_len, d_mask, keys, lq, k);
+  auto fopts = qc.options().dtype(at::kFloat);
+  at::Tensor scores = at::empty({p.P}, fopts);
+  at::Tensor done = at::zeros({Nq}, qc.options().dtype(at::kInt));
+  at::Tensor out_s = at::empty({Nq, k}, fopts);
+  at::Tensor out_id = at::empty({Nq, k}, qc.options().dtype(at::kLong));
+  p.scores = scores.data_ptr<float>();
+  p.rank_done = done.data_ptr<int>();
+  p.rank_k = k;
+  p.rank_scores = out_s.data_ptr<float>();
+  p.rank_ids = out_id.data_ptr<int64_t>();
+  // The launcher's heuristics, as for a forward.
+  p.stream_split = 0;
+  p.stream_il = p.stream_qsm = p.stream_keep = -1;
+  p.stream_tail = -1;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  if (t == at::kHalf)
+    run_stream<__half>(p, mean_ld, prop->multiProcessorCount, stream);
+  else
+    run_stream<__nv_bfloat16>(p, mean_ld, prop->multiProcessorCount, stream);
+  return {out_s, out_id};
+}
+
+}  // namespace maxsim
