@@ -88,18 +88,29 @@ __device__ __forceinline__ uint32_t f8x2_to_h2(uint32_t w) {
 constexpr int kRankMax = 512;
 
 // The fused top-k of rescore_topk (kKeysL, rank_done set): pairs [lo, hi)
-// are this CTA's; the CTA that completes a row's count ranks its pair_kc
-// scores (every key against every key: <= kRankMax of them, a few us on one
-// SM, where a select launch and two decode / cast kernels cost more) in
-// block_topk's order -- higher score, then lower id; NaN, then empty slots
-// last; equal keys by position -- and writes the top rank_k decoded, (-inf,
-// -1) past the candidates. Every thread of the CTA calls it; keys: shared
-// memory for kRankMax keys.
-__device__ __forceinline__ void rank_rows(const FwdParams& p, int64_t lo, int64_t hi, long long* keys) {
+// are this CTA's; the CTA that completes a row's count sorts the row's
+// pair_kc keys (score, id) and writes the top rank_k decoded: block_topk's
+// order (higher score, then lower id; NaN, then empty slots last), (-inf,
+// -1) past the candidates. The sort is bitonic, descending, over m = the
+// next power of two >= max(kc, 128) keys padded with empty slots (equal keys
+// decode alike, so their order does not matter), held in registers: key i =
+// e * 128 + thread, so a stage of stride < 32 pairs lanes of a warp
+// (shuffles), 32-64 pairs warps (one exchange through shared memory) and
+// >= 128 pairs a thread's own registers. Measured on H100 (session 19): a
+// shared-memory bitonic sort with a barrier per stage took ~6 us for 100
+// candidates, a count of greater keys per key more. Every thread of the CTA
+// calls it; xch: shared memory for kRankMax keys.
+__device__ __forceinline__ long long keep_pair(long long a, long long b, bool hi) {
+  return hi ? (a > b ? a : b) : (a < b ? a : b);
+}
+
+__device__ __forceinline__ void rank_rows(const FwdParams& p, int64_t lo, int64_t hi, long long* xch) {
   constexpr int NT = kStreamWarps * 32, R = kRankMax / NT;
+  static_assert(NT == 128 && R == 4, "rank_rows pairs registers for strides of 128 and 256");
   __shared__ int rows[1 + kStreamWarps];
-  const int tid = threadIdx.x;
-  const int64_t kc = p.pair_kc, k = p.rank_k;
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int kc = (int)p.pair_kc;
+  const int64_t k = p.rank_k;
   __threadfence();  // this CTA's score stores, before its counts
   __syncthreads();
   if (tid == 0) {
@@ -113,40 +124,77 @@ __device__ __forceinline__ void rank_rows(const FwdParams& p, int64_t lo, int64_
     __threadfence();  // the counted CTAs' stores, before the reads below
   }
   __syncthreads();
+  int m = NT;
+  while (m < kc) m <<= 1;
+  const int ne = m / NT;  // keys per thread: 1, 2 or 4
   const int nl = rows[0];
   for (int r = 0; r < nl; ++r) {
     const int64_t n = rows[1 + r];
-    for (int i = tid; i < kc; i += NT) {
-      const int64_t key = p.pair_keys[n * kc + i];
-      const int64_t id = key == INT64_MIN ? -1 : search_keys::kLow - (key & search_keys::kLow);
-      keys[i] = search_keys::encode_id(__ldcg(p.scores + n * kc + i), id);
-    }
-    __syncthreads();
-    long long mine[R];
-    int rank[R];
+    long long v[R];
 #pragma unroll
     for (int e = 0; e < R; ++e) {
-      const int i = tid + e * NT;
-      mine[e] = i < kc ? keys[i] : 0;
-      rank[e] = 0;
+      const int i = e * NT + tid;
+      v[e] = INT64_MIN;
+      if (i < kc) {
+        const int64_t pk = p.pair_keys[n * kc + i];
+        const int64_t id = pk == INT64_MIN ? -1 : search_keys::kLow - (pk & search_keys::kLow);
+        v[e] = search_keys::encode_id(__ldcg(p.scores + n * kc + i), id);
+      }
     }
-    const int re = (int)((kc + NT - 1) / NT);
-    for (int j = 0; j < kc; ++j) {
-      const long long y = keys[j];
+    for (int size = 2; size <= m; size <<= 1)
+      for (int stride = size >> 1; stride > 0; stride >>= 1) {
+        if (stride >= NT) {  // partners in this thread's registers: (0, 1), (2, 3) or (0, 2), (1, 3)
+          const bool two = stride == 2 * NT;
 #pragma unroll
-      for (int e = 0; e < R; ++e)
-        if (e < re) rank[e] += y > mine[e] || (y == mine[e] && j < tid + e * NT);
-    }
+          for (int h = 0; h < 2; ++h) {
+            const int e = two ? h : 2 * h, f = two ? h + 2 : 2 * h + 1;
+            if (f < ne) {
+              const bool desc = ((e * NT + tid) & size) == 0;
+              const long long a = two ? (h ? v[1] : v[0]) : (h ? v[2] : v[0]);
+              const long long b = two ? (h ? v[3] : v[2]) : (h ? v[3] : v[1]);
+              const long long x = keep_pair(a, b, desc), y = keep_pair(a, b, !desc);
+              if (two) {
+                if (h) { v[1] = x; v[3] = y; } else { v[0] = x; v[2] = y; }
+              } else {
+                if (h) { v[2] = x; v[3] = y; } else { v[0] = x; v[1] = y; }
+              }
+            }
+          }
+          continue;
+        }
+        long long w[R];
+        if (stride >= 32) {  // partners in another warp
+          __syncthreads();  // the previous exchange's reads are done
+#pragma unroll
+          for (int e = 0; e < R; ++e)
+            if (e < ne) xch[e * NT + tid] = v[e];
+          __syncthreads();
+#pragma unroll
+          for (int e = 0; e < R; ++e)
+            if (e < ne) w[e] = xch[(e * NT + tid) ^ stride];
+        } else {
+#pragma unroll
+          for (int e = 0; e < R; ++e)
+            if (e < ne) w[e] = __shfl_xor_sync(0xffffffffu, v[e], stride);
+        }
+#pragma unroll
+        for (int e = 0; e < R; ++e)
+          if (e < ne) {
+            const int i = e * NT + tid;
+            // The lower index of a pair keeps the larger key where the block descends.
+            v[e] = keep_pair(v[e], w[e], ((i & stride) == 0) == ((i & size) == 0));
+          }
+      }
 #pragma unroll
     for (int e = 0; e < R; ++e) {
-      const int i = tid + e * NT;
-      if (i < kc && rank[e] < k) search_keys::decode(mine[e], p.rank_scores[n * k + rank[e]], p.rank_ids[n * k + rank[e]]);
+      const int i = e * NT + tid;
+      if (e < ne && i < k) search_keys::decode(v[e], p.rank_scores[n * k + i], p.rank_ids[n * k + i]);
     }
-    for (int64_t x = kc + tid; x < k; x += NT) {
+    for (int64_t x = m + tid; x < k; x += NT) {
       p.rank_scores[n * k + x] = neg_inf();
       p.rank_ids[n * k + x] = -1;
     }
-    __syncthreads();  // keys: the next row
+    __syncthreads();  // xch: the next row
   }
 }
 
