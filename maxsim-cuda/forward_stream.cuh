@@ -88,27 +88,35 @@ __device__ __forceinline__ uint32_t f8x2_to_h2(uint32_t w) {
 constexpr int kRankMax = 512;
 
 // The fused top-k of rescore_topk (kKeysL, rank_done set): pairs [lo, hi)
-// are this CTA's; the CTA that completes a row's count sorts the row's
+// are this CTA's; the CTA that completes a row's count ranks the row's
 // pair_kc keys (score, id) and writes the top rank_k decoded: block_topk's
 // order (higher score, then lower id; NaN, then empty slots last), (-inf,
-// -1) past the candidates. The sort is bitonic, descending, over m = the
-// next power of two >= max(kc, 128) keys padded with empty slots (equal keys
-// decode alike, so their order does not matter), held in registers: key i =
-// e * 128 + thread, so a stage of stride < 32 pairs lanes of a warp
-// (shuffles), 32-64 pairs warps (one exchange through shared memory) and
-// >= 128 pairs a thread's own registers. Measured on H100 (session 19): a
-// shared-memory bitonic sort with a barrier per stage took ~6 us for 100
-// candidates, a count of greater keys per key more. Every thread of the CTA
-// calls it; xch: shared memory for kRankMax keys.
-__device__ __forceinline__ long long keep_pair(long long a, long long b, bool hi) {
-  return hi ? (a > b ? a : b) : (a < b ? a : b);
+// -1) past the candidates. Ranking: key i (thread i % 128 holds it) counts
+// the greater keys of its block of 128 (equal ones before it count too: a
+// permutation even with repeated keys), which sorts each block; then adds
+// each other block's greater keys (equal ones too for earlier blocks) by a
+// binary search in that block. Measured on H100 (session 19; the last CTA's
+// phases by %globaltimer): a bitonic sort in registers took 3.7 / 5.2 / 8.0
+// us for 100 / 200 / 400 candidates, a shared-memory one ~6 us at 100.
+// Every thread of the CTA calls it; xch: shared memory for 2 x kRankMax keys.
+template <bool ORE>
+__device__ __forceinline__ int count_before(const long long* s, long long x) {
+  // Keys of the descending block s[0, 128) greater than x (ORE: or equal).
+  int c = 0;
+#pragma unroll
+  for (int step = 128; step > 0; step >>= 1)
+    if (c + step <= 128) {
+      const long long y = s[c + step - 1];
+      if (ORE ? y >= x : y > x) c += step;
+    }
+  return c;
 }
 
 __device__ __forceinline__ void rank_rows(const FwdParams& p, int64_t lo, int64_t hi, long long* xch) {
   constexpr int NT = kStreamWarps * 32, R = kRankMax / NT;
-  static_assert(NT == 128 && R == 4, "rank_rows pairs registers for strides of 128 and 256");
+  static_assert(NT == 128, "count_before searches blocks of 128 keys");
   __shared__ int rows[1 + kStreamWarps];
-  const int tid = threadIdx.x, lane = tid & 31;
+  const int tid = threadIdx.x;
   const int kc = (int)p.pair_kc;
   const int64_t k = p.rank_k;
   __threadfence();  // this CTA's score stores, before its counts
@@ -124,9 +132,9 @@ __device__ __forceinline__ void rank_rows(const FwdParams& p, int64_t lo, int64_
     __threadfence();  // the counted CTAs' stores, before the reads below
   }
   __syncthreads();
-  int m = NT;
-  while (m < kc) m <<= 1;
-  const int ne = m / NT;  // keys per thread: 1, 2 or 4
+  const int nb = (kc + NT - 1) / NT;  // blocks of 128 keys
+  long long* kin = xch;               // keys in candidate order
+  long long* srt = xch + kRankMax;    // each block sorted, descending
   const int nl = rows[0];
   for (int r = 0; r < nl; ++r) {
     const int64_t n = rows[1 + r];
@@ -140,57 +148,37 @@ __device__ __forceinline__ void rank_rows(const FwdParams& p, int64_t lo, int64_
         const int64_t id = pk == INT64_MIN ? -1 : search_keys::kLow - (pk & search_keys::kLow);
         v[e] = search_keys::encode_id(__ldcg(p.scores + n * kc + i), id);
       }
+      if (e < nb) kin[i] = v[e];
     }
-    for (int size = 2; size <= m; size <<= 1)
-      for (int stride = size >> 1; stride > 0; stride >>= 1) {
-        if (stride >= NT) {  // partners in this thread's registers: (0, 1), (2, 3) or (0, 2), (1, 3)
-          const bool two = stride == 2 * NT;
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int e = two ? h : 2 * h, f = two ? h + 2 : 2 * h + 1;
-            if (f < ne) {
-              const bool desc = ((e * NT + tid) & size) == 0;
-              const long long a = two ? (h ? v[1] : v[0]) : (h ? v[2] : v[0]);
-              const long long b = two ? (h ? v[3] : v[2]) : (h ? v[3] : v[1]);
-              const long long x = keep_pair(a, b, desc), y = keep_pair(a, b, !desc);
-              if (two) {
-                if (h) { v[1] = x; v[3] = y; } else { v[0] = x; v[2] = y; }
-              } else {
-                if (h) { v[2] = x; v[3] = y; } else { v[0] = x; v[1] = y; }
-              }
-            }
-          }
-          continue;
-        }
-        long long w[R];
-        if (stride >= 32) {  // partners in another warp
-          __syncthreads();  // the previous exchange's reads are done
-#pragma unroll
-          for (int e = 0; e < R; ++e)
-            if (e < ne) xch[e * NT + tid] = v[e];
-          __syncthreads();
-#pragma unroll
-          for (int e = 0; e < R; ++e)
-            if (e < ne) w[e] = xch[(e * NT + tid) ^ stride];
-        } else {
-#pragma unroll
-          for (int e = 0; e < R; ++e)
-            if (e < ne) w[e] = __shfl_xor_sync(0xffffffffu, v[e], stride);
-        }
-#pragma unroll
-        for (int e = 0; e < R; ++e)
-          if (e < ne) {
-            const int i = e * NT + tid;
-            // The lower index of a pair keeps the larger key where the block descends.
-            v[e] = keep_pair(v[e], w[e], ((i & stride) == 0) == ((i & size) == 0));
-          }
-      }
+    __syncthreads();
+    int rk[R];
 #pragma unroll
     for (int e = 0; e < R; ++e) {
-      const int i = e * NT + tid;
-      if (e < ne && i < k) search_keys::decode(v[e], p.rank_scores[n * k + i], p.rank_ids[n * k + i]);
+      rk[e] = 0;
+      if (e < nb) {
+        const long long x = v[e];
+        const long long* blk = kin + e * NT;
+        int c = 0;
+#pragma unroll 8
+        for (int j = 0; j < NT; ++j) {
+          const long long y = blk[j];
+          c += (int)(y > x) | ((int)(y == x) & (int)(j < tid));
+        }
+        rk[e] = c;
+        srt[e * NT + c] = x;
+      }
     }
-    for (int64_t x = m + tid; x < k; x += NT) {
+    __syncthreads();
+#pragma unroll
+    for (int e = 0; e < R; ++e)
+      if (e < nb) {
+        int g = rk[e];
+#pragma unroll
+        for (int f = 0; f < R; ++f)
+          if (f < nb && f != e) g += f < e ? count_before<true>(srt + f * NT, v[e]) : count_before<false>(srt + f * NT, v[e]);
+        if (g < k) search_keys::decode(v[e], p.rank_scores[n * k + g], p.rank_ids[n * k + g]);
+      }
+    for (int64_t x = (int64_t)nb * NT + tid; x < k; x += NT) {
       p.rank_scores[n * k + x] = neg_inf();
       p.rank_ids[n * k + x] = -1;
     }
@@ -420,7 +408,7 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
     const float sum = warp_sum(use ? v : 0.f);
     if (lane == 0 && live) p.scores[pr] = ok ? sum : __int_as_float(0x7fc00000);
   }
-  if constexpr (RK) {  // kKeysL with the fused top-k (the whole CTA)
+  if constexpr (RK) {  // kKeysL with the fused top-k (the whole CTA; qsh holds 2 x kRankMax keys)
     const int64_t lo = tail ? pr : (int64_t)blockIdx.x * (kStreamWarps / SP);
     const int64_t hi = tail ? pr + 1 : min(lo + kStreamWarps / SP, p.P - p.stream_tail);
     rank_rows(p, lo, hi, reinterpret_cast<long long*>(qsh));
