@@ -84,37 +84,24 @@ __device__ __forceinline__ uint32_t f8x2_to_h2(uint32_t w) {
   return (uint32_t)h.x | ((uint32_t)h.y << 16);
 }
 
-// Rows of at most this many candidates rank in the fused top-k below.
-constexpr int kRankMax = 512;
+// Rows of at most this many candidates rank in the fused top-k below (one
+// key per thread).
+constexpr int kRankMax = kStreamWarps * 32;
 
 // The fused top-k of rescore_topk (kKeysL, rank_done set): pairs [lo, hi)
 // are this CTA's; the CTA that completes a row's count ranks the row's
-// pair_kc keys (score, id) and writes the top rank_k decoded: block_topk's
-// order (higher score, then lower id; NaN, then empty slots last), (-inf,
-// -1) past the candidates. Ranking: key i (thread i % 128 holds it) counts
-// the greater keys of its block of 128 (equal ones before it count too: a
-// permutation even with repeated keys), which sorts each block; then adds
-// each other block's greater keys (equal ones too for earlier blocks) by a
-// binary search in that block. Measured on H100 (session 19; the last CTA's
-// phases by %globaltimer): a bitonic sort in registers took 3.7 / 5.2 / 8.0
-// us for 100 / 200 / 400 candidates, a shared-memory one ~6 us at 100.
-// Every thread of the CTA calls it; xch: shared memory for 2 x kRankMax keys.
-template <bool ORE>
-__device__ __forceinline__ int count_before(const long long* s, long long x) {
-  // Keys of the descending block s[0, 128) greater than x (ORE: or equal).
-  int c = 0;
-#pragma unroll
-  for (int step = 128; step > 0; step >>= 1)
-    if (c + step <= 128) {
-      const long long y = s[c + step - 1];
-      if (ORE ? y >= x : y > x) c += step;
-    }
-  return c;
-}
-
+// pair_kc <= kRankMax keys (score, id) and writes the top rank_k decoded:
+// block_topk's order (higher score, then lower id; NaN, then empty slots
+// last), (-inf, -1) past the candidates. Thread i holds key i and counts the
+// greater keys (equal ones before it count too: a permutation even with
+// repeated keys). Measured on H100 (session 19, the last CTA's phases by
+// %globaltimer at 100 candidates): this count ~1 us, a bitonic sort in
+// registers 3.7 us, a shared-memory one ~6 us; past 128 keys (4 per thread,
+// blocks merged by binary search) the count lost to a separate select
+// (400 candidates: +11.5 us in the kernel against 5.1 us), so longer rows
+// take the composition. Every thread of the CTA calls it; xch: shared
+// memory for kRankMax keys.
 __device__ __forceinline__ void rank_rows(const FwdParams& p, int64_t lo, int64_t hi, long long* xch) {
-  constexpr int NT = kStreamWarps * 32, R = kRankMax / NT;
-  static_assert(NT == 128, "count_before searches blocks of 128 keys");
   __shared__ int rows[1 + kStreamWarps];
   const int tid = threadIdx.x;
   const int kc = (int)p.pair_kc;
@@ -132,55 +119,27 @@ __device__ __forceinline__ void rank_rows(const FwdParams& p, int64_t lo, int64_
     __threadfence();  // the counted CTAs' stores, before the reads below
   }
   __syncthreads();
-  const int nb = (kc + NT - 1) / NT;  // blocks of 128 keys
-  long long* kin = xch;               // keys in candidate order
-  long long* srt = xch + kRankMax;    // each block sorted, descending
   const int nl = rows[0];
   for (int r = 0; r < nl; ++r) {
     const int64_t n = rows[1 + r];
-    long long v[R];
-#pragma unroll
-    for (int e = 0; e < R; ++e) {
-      const int i = e * NT + tid;
-      v[e] = INT64_MIN;
-      if (i < kc) {
-        const int64_t pk = p.pair_keys[n * kc + i];
-        const int64_t id = pk == INT64_MIN ? -1 : search_keys::kLow - (pk & search_keys::kLow);
-        v[e] = search_keys::encode_id(__ldcg(p.scores + n * kc + i), id);
-      }
-      if (e < nb) kin[i] = v[e];
+    long long x = INT64_MIN;
+    if (tid < kc) {
+      const int64_t pk = p.pair_keys[n * kc + tid];
+      const int64_t id = pk == INT64_MIN ? -1 : search_keys::kLow - (pk & search_keys::kLow);
+      x = search_keys::encode_id(__ldcg(p.scores + n * kc + tid), id);
     }
+    xch[tid] = x;
     __syncthreads();
-    int rk[R];
-#pragma unroll
-    for (int e = 0; e < R; ++e) {
-      rk[e] = 0;
-      if (e < nb) {
-        const long long x = v[e];
-        const long long* blk = kin + e * NT;
-        int c = 0;
+    int g = 0;
 #pragma unroll 8
-        for (int j = 0; j < NT; ++j) {
-          const long long y = blk[j];
-          c += (int)(y > x) | ((int)(y == x) & (int)(j < tid));
-        }
-        rk[e] = c;
-        srt[e * NT + c] = x;
-      }
+    for (int j = 0; j < kRankMax; ++j) {
+      const long long y = xch[j];
+      g += (int)(y > x) | ((int)(y == x) & (int)(j < tid));
     }
-    __syncthreads();
-#pragma unroll
-    for (int e = 0; e < R; ++e)
-      if (e < nb) {
-        int g = rk[e];
-#pragma unroll
-        for (int f = 0; f < R; ++f)
-          if (f < nb && f != e) g += f < e ? count_before<true>(srt + f * NT, v[e]) : count_before<false>(srt + f * NT, v[e]);
-        if (g < k) search_keys::decode(v[e], p.rank_scores[n * k + g], p.rank_ids[n * k + g]);
-      }
-    for (int64_t x = (int64_t)nb * NT + tid; x < k; x += NT) {
-      p.rank_scores[n * k + x] = neg_inf();
-      p.rank_ids[n * k + x] = -1;
+    if (g < k) search_keys::decode(x, p.rank_scores[n * k + g], p.rank_ids[n * k + g]);
+    for (int64_t e = kRankMax + tid; e < k; e += kRankMax) {
+      p.rank_scores[n * k + e] = neg_inf();
+      p.rank_ids[n * k + e] = -1;
     }
     __syncthreads();  // xch: the next row
   }
@@ -408,7 +367,7 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
     const float sum = warp_sum(use ? v : 0.f);
     if (lane == 0 && live) p.scores[pr] = ok ? sum : __int_as_float(0x7fc00000);
   }
-  if constexpr (RK) {  // kKeysL with the fused top-k (the whole CTA; qsh holds 2 x kRankMax keys)
+  if constexpr (RK) {  // kKeysL with the fused top-k (the whole CTA)
     const int64_t lo = tail ? pr : (int64_t)blockIdx.x * (kStreamWarps / SP);
     const int64_t hi = tail ? pr + 1 : min(lo + kStreamWarps / SP, p.P - p.stream_tail);
     rank_rows(p, lo, hi, reinterpret_cast<long long*>(qsh));

@@ -5,7 +5,11 @@
 // one kernel, plus the zeroed row counters, where the composition launches
 // decode, an int32 cast, the forward, a select and a decode. Elsewhere (fp32
 // tokens, lq > 32, rows the streaming kernel does not take, rows of more
-// than kRankMax candidates) the composition runs.
+// than kRankMax = 128 candidates) the composition runs. Measured on H100
+// (graph, 1 query x 100 candidates of 300 tokens): 11.6 us fused, the same
+// as the forward plus block_topk alone, and the two small kernels and their
+// launches fewer per search (int8 + re-score at oversample 1: 0.1699 ->
+// 0.1657 ms at 10k documents).
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
