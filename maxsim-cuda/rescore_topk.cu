@@ -4,8 +4,9 @@
 // the last CTA of each row ranks the row (rank_rows, forward_stream.cuh):
 // one kernel, plus the zeroed row counters, where the composition launches
 // decode, an int32 cast, the forward, a select and a decode. Elsewhere (fp32
-// tokens, lq > 32, rows the streaming kernel does not take, rows of more
-// than kRankMax = 128 candidates) the composition runs. Measured on H100
+// tokens, lq > 32, rows the streaming kernel does not take) the
+// composition runs; rows of more than kRankMax = 128 candidates are scored
+// from their keys by the same kernel and ranked by block_topk. Measured on H100
 // (graph, 1 query x 100 candidates of 300 tokens): 11.6 us fused, the same
 // as the forward plus block_topk alone, and the two small kernels and their
 // launches fewer per search (int8 + re-score at oversample 1: 0.1699 ->
@@ -39,9 +40,9 @@ std::tuple<at::Tensor, at::Tensor> rescore_topk_cuda(const at::Tensor& q, const 
   }();
   const bool shape = q.dim() == 2 && d.dim() == 2 && q.size(1) == d.size(1) && lq >= 1 && lq <= 32;
   const int64_t mean_ld = Nd > 0 ? d.size(0) / Nd : 0;
-  const bool fused_ok = b16 && idx && shape && k > 0 && kc >= 1 && kc <= kRankMax && Nq * kc <= INT32_MAX &&
-                        prop->major >= 8 && mean_ld <= 4096;
-  if (!fused_ok)
+  const bool stream_ok =
+      b16 && idx && shape && k > 0 && kc >= 1 && Nq * kc <= INT32_MAX && prop->major >= 8 && mean_ld <= 4096;
+  if (!stream_ok)
     return rescore_topk_composed(&forward_cuda, &block_topk_cuda, &decode_keys_cuda, q, q_start, q_len, q_mask, d,
                                  d_start, d_len, d_mask, keys, lq, k);
   const at::Tensor qc = q.contiguous(), dc = d.contiguous(), kk = keys.contiguous();
@@ -79,23 +80,32 @@ std::tuple<at::Tensor, at::Tensor> rescore_topk_cuda(const at::Tensor& q, const 
                                  d_start, d_len, d_mask, keys, lq, k);
   auto fopts = qc.options().dtype(at::kFloat);
   at::Tensor scores = at::empty({p.P}, fopts);
-  at::Tensor done = at::zeros({Nq}, qc.options().dtype(at::kInt));
-  at::Tensor out_s = at::empty({Nq, k}, fopts);
-  at::Tensor out_id = at::empty({Nq, k}, qc.options().dtype(at::kLong));
-  p.scores = scores.data_ptr<float>();
-  p.rank_done = done.data_ptr<int>();
-  p.rank_k = k;
-  p.rank_scores = out_s.data_ptr<float>();
-  p.rank_ids = out_id.data_ptr<int64_t>();
   // The launcher's heuristics, as for a forward.
   p.stream_split = 0;
   p.stream_il = p.stream_qsm = p.stream_keep = -1;
   p.stream_tail = -1;
+  p.scores = scores.data_ptr<float>();
   auto stream = at::cuda::getCurrentCUDAStream();
-  if (t == at::kHalf)
-    run_stream<__half>(p, mean_ld, prop->multiProcessorCount, stream);
-  else
-    run_stream<__nv_bfloat16>(p, mean_ld, prop->multiProcessorCount, stream);
+  const auto run = [&] {
+    if (t == at::kHalf)
+      run_stream<__half>(p, mean_ld, prop->multiProcessorCount, stream);
+    else
+      run_stream<__nv_bfloat16>(p, mean_ld, prop->multiProcessorCount, stream);
+  };
+  if (kc > kRankMax) {  // scores from the keys, then a select (measured faster than the fused rank here)
+    run();
+    at::Tensor top = block_topk_cuda(scores.view({Nq, kc}), 0, k, std::get<1>(decode_keys_cuda(kk)));
+    if (top.size(1) < k) top = at::cat({top, at::full({Nq, k - top.size(1)}, INT64_MIN, top.options())}, 1);
+    return decode_keys_cuda(top);
+  }
+  at::Tensor done = at::zeros({Nq}, qc.options().dtype(at::kInt));
+  at::Tensor out_s = at::empty({Nq, k}, fopts);
+  at::Tensor out_id = at::empty({Nq, k}, qc.options().dtype(at::kLong));
+  p.rank_done = done.data_ptr<int>();
+  p.rank_k = k;
+  p.rank_scores = out_s.data_ptr<float>();
+  p.rank_ids = out_id.data_ptr<int64_t>();
+  run();
   return {out_s, out_id};
 }
 
