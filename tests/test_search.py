@@ -534,13 +534,15 @@ def test_search_cuda_graph_capture(ms, kind):
 
 @pytest.mark.parametrize("dim", [64, 128, 256])
 @pytest.mark.parametrize("lq", [1, 17, 32])
+@pytest.mark.parametrize("layout", ["token", "document"])
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_8bit_one_query_scan_exact(ms, device, kind, dim, lq):
+def test_8bit_one_query_scan_exact(ms, device, kind, layout, dim, lq):
     """One short query over an int8 / fp8 corpus (rows of 64 / 128 / 256
-    bytes; the register-streaming kernel on CUDA): exact against the
-    dequantised fp64 reference, with empty documents, token-mask holes and a
-    query mask."""
+    bytes, scales per token or per document -- int8 per document folds its
+    maxima as integers on CUDA; the register-streaming kernel there): exact
+    against the dequantised fp64 reference, with empty documents, token-mask
+    holes and a query mask."""
     if kind == "fp8" and device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 tensor cores need sm_89+")
     g = torch.Generator().manual_seed(dim + lq)
@@ -548,7 +550,8 @@ def test_8bit_one_query_scan_exact(ms, device, kind, dim, lq):
     D = rand(N, L, dim, device=device, gen=g)
     mask = torch.rand(N, L, generator=g) < 0.85
     mask[4] = False
-    corpus = ms.Corpus(D, mask=mask.to(device), device=device, quantization=kind)
+    corpus = ms.Corpus(D, mask=mask.to(device), device=device, quantization=kind, scale_layout=layout)
+    assert corpus.uniform_doc_scales == (layout == "document")
     Q = rand(1, lq, dim, device=device, gen=g)
     qmask = torch.rand(1, lq, generator=g) < 0.8
     qmask[0, 0] = True
