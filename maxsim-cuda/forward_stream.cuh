@@ -84,8 +84,6 @@ __device__ __forceinline__ uint32_t f8x2_to_h2(uint32_t w) {
   return (uint32_t)h.x | ((uint32_t)h.y << 16);
 }
 
-constexpr int kNegInfBits = (int)0xff800000;
-
 // Rows of at most this many candidates rank in the fused top-k below (one
 // key per thread).
 constexpr int kRankMax = kStreamWarps * 32;
@@ -190,11 +188,6 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
   // One scale per document (the caller's promise): applied to the row sum's
   // terms at the end instead of to every product, and no scale loads.
   const bool doc_sc = SC && p.d_scale_per_doc;
-  // int8 with one scale per document: the row maxima fold over the raw s32
-  // products as integers (Hopper's 3-way VIMNMX3, two columns per
-  // instruction), not one s32 -> fp32 convert and max each; -inf's bits
-  // (-2^23 as an integer) are below any product of <= 256 int8 pairs.
-  const bool ifold = std::is_same<T, int8_t>::value && doc_sc;
   const bool keep = p.stream_keep > 0;
   auto fetch = [&](int t, int u) {
     const int j = t * 8 + g;
@@ -306,15 +299,13 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
           }
         }
         if constexpr (SC) {
-          if (!ifold) {
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
+          for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-              for (int e = 0; e < 4; ++e) {
-                const float x = Mma<T>::value(acc[mt][e]);
-                acc[mt][e] = doc_sc ? x : x * (e & 1 ? dsc[u].y : dsc[u].x);
-              }
-          }
+            for (int e = 0; e < 4; ++e) {
+              const float x = Mma<T>::value(acc[mt][e]);
+              acc[mt][e] = doc_sc ? x : x * (e & 1 ? dsc[u].y : dsc[u].x);
+            }
         }
         // Columns 2c, 2c + 1 of the tile: -inf past the document or masked.
         const int j0 = t * 8 + 2 * c;
@@ -323,34 +314,16 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
           v0 = v0 && p.d_mask[(int64_t)ds + j0];
           v1 = v1 && p.d_mask[(int64_t)ds + j0 + 1];
         }
-        if (ifold) {
 #pragma unroll
-          for (int mt = 0; mt < MT; ++mt)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int h = 0; h < 2; ++h)
-              best[mt][h] = __int_as_float(__vimax3_s32(__float_as_int(best[mt][h]),
-                                                        v0 ? __float_as_int(acc[mt][2 * h]) : kNegInfBits,
-                                                        v1 ? __float_as_int(acc[mt][2 * h + 1]) : kNegInfBits));
-        } else {
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-              best[mt][h] = max_nan(best[mt][h],
-                                    max_nan(v0 ? acc[mt][2 * h] : neg_inf(), v1 ? acc[mt][2 * h + 1] : neg_inf()));
-        }
+          for (int h = 0; h < 2; ++h)
+            best[mt][h] = max_nan(best[mt][h],
+                                  max_nan(v0 ? acc[mt][2 * h] : neg_inf(), v1 ? acc[mt][2 * h + 1] : neg_inf()));
       }
       fetch(t + U, u);
     }
   }
-  if (ifold)  // the raw maxima to fp32 once (exact: |dot| < 2^23), -inf kept
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int bi = __float_as_int(best[mt][h]);
-        best[mt][h] = bi == kNegInfBits ? neg_inf() : (float)bi;
-      }
   // Row r = 16 mt + 8 h + g: max over the quad, then to lane r.
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)

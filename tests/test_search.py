@@ -539,10 +539,9 @@ def test_search_cuda_graph_capture(ms, kind):
 @pytest.mark.parametrize("device", DEVICES)
 def test_8bit_one_query_scan_exact(ms, device, kind, layout, dim, lq):
     """One short query over an int8 / fp8 corpus (rows of 64 / 128 / 256
-    bytes, scales per token or per document -- int8 per document folds its
-    maxima as integers on CUDA; the register-streaming kernel there): exact
-    against the dequantised fp64 reference, with empty documents, token-mask
-    holes and a query mask."""
+    bytes, scales per token or per document; the register-streaming kernel
+    on CUDA): exact against the dequantised fp64 reference, with empty
+    documents, token-mask holes and a query mask."""
     if kind == "fp8" and device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 tensor cores need sm_89+")
     g = torch.Generator().manual_seed(dim + lq)
