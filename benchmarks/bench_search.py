@@ -102,11 +102,11 @@ def main():
         t = graph_ms(fn, calls=5)
         return None if t is None else round(t, 4)
 
-    def quant_row(wl, quant, qc, Qs, q1, ref_ids, t_bf, g_bf, impl=None):
-        _, ids = ms_.search(Qs, qc, k)
-        t = timed(lambda: ms_.search(q1, qc, k))
+    def quant_row(wl, quant, qc, Qs, q1, ref_ids, t_bf, g_bf, impl=None, oversample=4):
+        _, ids = ms_.search(Qs, qc, k, oversample=oversample)
+        t = timed(lambda: ms_.search(q1, qc, k, oversample=oversample))
         host_orig = qc.originals is not None and qc.originals[0].device.type == "cpu"  # gathers: syncs
-        g = None if host_orig else graph(lambda: ms_.search(q1, qc, k))
+        g = None if host_orig else graph(lambda: ms_.search(q1, qc, k, oversample=oversample))
         extra = {} if g is None or g_bf is None else dict(graph_ms=g, vs_bf16_graph=round(g / g_bf, 3))
         row(workload=wl, impl=impl or f"maxsim-{quant}", ms=t, vs_bf16=round(t / t_bf, 3), **extra,
             top10=round(agreement(ids, ref_ids, 10), 4), top100=round(agreement(ids, ref_ids, 100), 4))
@@ -169,6 +169,9 @@ def main():
                                         scale_layout=layout)
                         quant_row(wl, quant, qc, Qs, q1, ref_ids, t_bf, g_bf,
                                   impl=f"{impl or 'maxsim-int8'}+rescore-{where}")
+                        if layout == "document" and where == "device":  # the smallest re-score
+                            quant_row(wl, quant, qc, Qs, q1, ref_ids, t_bf, g_bf,
+                                      impl=f"{impl}+rescore-{where}-oversample1", oversample=1)
                         del qc
                         torch.cuda.empty_cache()
             if "lik" in P and nd * ld <= 100_000 * 1024:
