@@ -42,6 +42,7 @@
 #include "forward_simt.cuh"
 #include "forward_stream.cuh"
 #include "forward_wgmma.cuh"
+#include "fwd_params.h"
 #include "normalize_rows.cuh"
 #include "torch_binding.h"
 
@@ -336,29 +337,15 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
                           : at::empty({P, lq}, q.options().dtype(argmax_kind == 1 ? at::kInt : at::kShort));
   if (P == 0) return {scores, argmax};
 
-  at::Tensor qm, dm;
-  if (q_mask.has_value() && q_mask->defined()) {
-    qm = q_mask->to(at::kBool).contiguous();
-    TORCH_CHECK(qm.is_cuda() && qm.numel() == q.size(0), "maxsim: q_mask must be [Tq]");
-  }
-  if (d_mask.has_value() && d_mask->defined()) {
-    dm = d_mask->to(at::kBool).contiguous();
-    TORCH_CHECK(dm.is_cuda() && dm.numel() == d.size(0), "maxsim: d_mask must be [Td]");
-  }
+  const at::Tensor qm = token_mask(q_mask, q.size(0), "maxsim: q_mask must be [Tq]");
+  const at::Tensor dm = token_mask(d_mask, d.size(0), "maxsim: d_mask must be [Td]");
 
   const bool arg = argmax_kind != 0;
   const int64_t dim = q.size(1);
   const int64_t esz = q.element_size();
 
   FwdParams p{};
-  p.q = static_cast<const char*>(q.data_ptr());
-  p.d = static_cast<const char*>(d.data_ptr());
-  p.q_start = q_start.data_ptr<int>();
-  p.q_len = q_len.data_ptr<int>();
-  p.q_mask = qm.defined() ? qm.data_ptr<bool>() : nullptr;
-  p.d_start = d_start.data_ptr<int>();
-  p.d_len = d_len.data_ptr<int>();
-  p.d_mask = dm.defined() ? dm.data_ptr<bool>() : nullptr;
+  set_segments(p, q, q_start, q_len, qm, d, d_start, d_len, dm);
   p.pair_q = pq.defined() ? pq.data_ptr<int>() : nullptr;
   p.pair_d = pd.defined() ? pd.data_ptr<int>() : nullptr;
   // normalize: query inverse norms up front; the tensor-core kernel derives
@@ -369,11 +356,6 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
   p.q_scale = quant ? q_scale->data_ptr<float>() : scaled ? q_inv.data_ptr<float>() : nullptr;
   p.d_scale = quant ? d_scale->data_ptr<float>() : nullptr;
   p.d_scale_per_doc = quant && uniform_doc_scales;
-  p.Tq = q.size(0);
-  p.Td = d.size(0);
-  p.row_bytes = dim * esz;
-  p.Nq = Nq;
-  p.Nd = Nd;
   p.P = P;
   p.K = std::max<int64_t>(1, (layout == kGrouped && Nq > 0) ? Nd / Nq : 1);
   p.layout = (int)layout;

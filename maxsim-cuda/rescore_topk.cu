@@ -15,6 +15,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "forward_stream.cuh"
+#include "fwd_params.h"
 #include "rescore_compose.h"
 #include "torch_binding.h"
 
@@ -46,31 +47,12 @@ std::tuple<at::Tensor, at::Tensor> rescore_topk_cuda(const at::Tensor& q, const 
     return rescore_topk_composed(&forward_cuda, &block_topk_cuda, &decode_keys_cuda, q, q_start, q_len, q_mask, d,
                                  d_start, d_len, d_mask, keys, lq, k);
   const at::Tensor qc = q.contiguous(), dc = d.contiguous(), kk = keys.contiguous();
-  at::Tensor qm, dm;
-  if (q_mask.has_value() && q_mask->defined()) {
-    qm = q_mask->to(at::kBool).contiguous();
-    TORCH_CHECK(qm.is_cuda() && qm.numel() == qc.size(0), "maxsim: q_mask must be [Tq]");
-  }
-  if (d_mask.has_value() && d_mask->defined()) {
-    dm = d_mask->to(at::kBool).contiguous();
-    TORCH_CHECK(dm.is_cuda() && dm.numel() == dc.size(0), "maxsim: d_mask must be [Td]");
-  }
+  const at::Tensor qm = token_mask(q_mask, qc.size(0), "maxsim: q_mask must be [Tq]");
+  const at::Tensor dm = token_mask(d_mask, dc.size(0), "maxsim: d_mask must be [Td]");
   FwdParams p{};
-  p.q = static_cast<const char*>(qc.data_ptr());
-  p.d = static_cast<const char*>(dc.data_ptr());
-  p.q_start = q_start.data_ptr<int>();
-  p.q_len = q_len.data_ptr<int>();
-  p.q_mask = qm.defined() ? qm.data_ptr<bool>() : nullptr;
-  p.d_start = d_start.data_ptr<int>();
-  p.d_len = d_len.data_ptr<int>();
-  p.d_mask = dm.defined() ? dm.data_ptr<bool>() : nullptr;
+  set_segments(p, qc, q_start, q_len, qm, dc, d_start, d_len, dm);
   p.pair_keys = kk.data_ptr<int64_t>();
   p.pair_kc = kc;
-  p.Tq = qc.size(0);
-  p.Td = dc.size(0);
-  p.row_bytes = qc.size(1) * qc.element_size();
-  p.Nq = Nq;
-  p.Nd = Nd;
   p.P = Nq * kc;
   p.K = 1;
   p.layout = kKeysL;
