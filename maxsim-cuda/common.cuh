@@ -14,6 +14,7 @@
 #include <type_traits>
 
 #include "check.h"
+#include "search_keys.h"
 
 namespace maxsim {
 namespace cuda_fwd {
@@ -172,10 +173,9 @@ __device__ __forceinline__ void pair_ids(const FwdParams& p, int64_t pr, int64_t
   } else if (p.layout == kListL) {
     n = p.pair_q[pr];
     dn = p.pair_d[pr];
-  } else {  // kKeysL: an empty slot (INT64_MIN) -> id -1, invalid
+  } else {  // kKeysL: an empty slot -> id -1, invalid
     n = pr / p.pair_kc;
-    const int64_t key = p.pair_keys[pr];
-    dn = key == INT64_MIN ? -1 : 0xFFFFFFFFll - (key & 0xFFFFFFFFll);
+    dn = search_keys::id_of(p.pair_keys[pr]);
   }
 }
 

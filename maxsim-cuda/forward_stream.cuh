@@ -33,7 +33,6 @@
 #include <c10/cuda/CUDAException.h>
 
 #include "common.cuh"
-#include "search_keys.h"
 
 namespace maxsim {
 namespace cuda_fwd {
@@ -99,7 +98,7 @@ constexpr int kRankMax = kStreamWarps * 32;
 // registers 3.7 us, a shared-memory one ~6 us; past 128 keys (4 per thread,
 // blocks merged by binary search) the count lost to a separate select
 // (400 candidates: +11.5 us in the kernel against 5.1 us), so longer rows
-// take the composition. Every thread of the CTA calls it; xch: shared
+// are scored here without it and ranked by block_topk (rescore_topk.cu). Every thread of the CTA calls it; xch: shared
 // memory for kRankMax keys.
 __device__ __forceinline__ void rank_rows(const FwdParams& p, int64_t lo, int64_t hi, long long* xch) {
   __shared__ int rows[1 + kStreamWarps];
@@ -123,11 +122,8 @@ __device__ __forceinline__ void rank_rows(const FwdParams& p, int64_t lo, int64_
   for (int r = 0; r < nl; ++r) {
     const int64_t n = rows[1 + r];
     long long x = INT64_MIN;
-    if (tid < kc) {
-      const int64_t pk = p.pair_keys[n * kc + tid];
-      const int64_t id = pk == INT64_MIN ? -1 : search_keys::kLow - (pk & search_keys::kLow);
-      x = search_keys::encode_id(__ldcg(p.scores + n * kc + tid), id);
-    }
+    if (tid < kc)
+      x = search_keys::encode_id(__ldcg(p.scores + n * kc + tid), search_keys::id_of(p.pair_keys[n * kc + tid]));
     xch[tid] = x;
     __syncthreads();
     int g = 0;

@@ -19,6 +19,16 @@ inline void check_rescore_args(const at::Tensor& q_start, const at::Tensor& keys
   TORCH_CHECK(k >= 0, "maxsim: rescore_topk: k must be >= 0");
 }
 
+// The top k of each row of candidate scores [Nq, kc] with their ids, decoded
+// and padded with empty slots to k columns.
+inline std::tuple<at::Tensor, at::Tensor> top_k_decoded(BlockTopkFn* topk, DecodeKeysFn* decode, const at::Tensor& s,
+                                                        const at::Tensor& ids, int64_t k) {
+  at::Tensor top = topk(s, 0, k, ids);
+  if (top.size(1) < k)
+    top = at::cat({top, at::full({s.size(0), k - top.size(1)}, INT64_MIN, top.options())}, 1);
+  return decode(top);
+}
+
 inline std::tuple<at::Tensor, at::Tensor> rescore_topk_composed(
     ForwardFn* fwd, BlockTopkFn* topk, DecodeKeysFn* decode, const at::Tensor& q, const at::Tensor& q_start,
     const at::Tensor& q_len, const std::optional<at::Tensor>& q_mask, const at::Tensor& d, const at::Tensor& d_start,
@@ -33,10 +43,7 @@ inline std::tuple<at::Tensor, at::Tensor> rescore_topk_composed(
   const at::Tensor pq = at::arange(Nq, keys.options().dtype(at::kInt)).repeat_interleave(kc);
   const at::Tensor s = std::get<0>(
       fwd(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pq, pd, kList, lq, kNoArgmax, false, false));
-  at::Tensor top = topk(s.view({Nq, kc}), 0, k, ids);
-  if (top.size(1) < k)
-    top = at::cat({top, at::full({Nq, k - top.size(1)}, INT64_MIN, top.options())}, 1);
-  return decode(top);
+  return top_k_decoded(topk, decode, s.view({Nq, kc}), ids, k);
 }
 
 }  // namespace maxsim

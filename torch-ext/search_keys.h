@@ -38,14 +38,16 @@ MAXSIM_HD inline int64_t encode(float v, int64_t id) { return (int64_t)order(v) 
 // An id < 0 is an empty slot.
 MAXSIM_HD inline int64_t encode_id(float v, int64_t id) { return id < 0 ? INT64_MIN : encode(v, id); }
 
+// A key's id; -1 for an empty slot.
+MAXSIM_HD inline int64_t id_of(int64_t key) { return key == INT64_MIN ? -1 : kLow - (key & kLow); }
+
 MAXSIM_HD inline void decode(int64_t key, float& score, int64_t& id) {
+  id = id_of(key);
   if (key == INT64_MIN) {
     score = from_bits((int32_t)0xff800000);
-    id = -1;
     return;
   }
   const int32_t order = (int32_t)(key >> 32);
-  id = kLow - (key & kLow);
   score = order == kNanOrder ? from_bits(0x7fc00000) : from_bits(order >= 0 ? order : (order ^ 0x7FFFFFFF));
 }
 

@@ -91,9 +91,10 @@ using DecodeKeysFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor& keys);
 // (float q / d; an id past the documents scores NaN). Returns the top k of
 // each row decoded -- (scores fp32, ids int64) [Nq, k], block_topk's order
 // (higher score, then lower id; NaN, then empty slots last), (-inf, -1) past
-// the candidates. CUDA: one kernel for 16-bit tokens, lq <= 32 and <= 128
-// candidates per row (the streaming forward with the select fused), else
-// the composition of the three ops.
+// the candidates. CUDA, 16-bit tokens and lq <= 32: the streaming forward
+// reads the candidates from the keys and, for <= 128 candidates per row,
+// ranks them in the same kernel (else block_topk); other inputs compose
+// forward, block_topk and decode_keys.
 using RescoreTopkFn = std::tuple<at::Tensor, at::Tensor>(
     const at::Tensor& q, const at::Tensor& q_start, const at::Tensor& q_len, const std::optional<at::Tensor>& q_mask,
     const at::Tensor& d, const at::Tensor& d_start, const at::Tensor& d_len, const std::optional<at::Tensor>& d_mask,
