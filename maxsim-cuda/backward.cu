@@ -183,20 +183,17 @@ void launch(BwdParams& p, bool do_dq, bool do_dd, int NG, cudaStream_t st) {
   if (n_dq > 0 && n_dd > 0 && n_dq + n_dd <= kMaxGrid) {
     const size_t smem = std::max(smem_dq, smem_dd);
     set_dqdd_smem<T, A, VEC, O>(smem);
-    dqdd_kernel<T, A, VEC, O><<<(unsigned)(n_dq + n_dd), kThreads, smem, st>>>(p, (int)n_dd);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_pdl(dqdd_kernel<T, A, VEC, O>, dim3((unsigned)(n_dq + n_dd)), dim3(kThreads), smem, st, p, (int)n_dd);
     return;
   }
   for (int64_t i0 = 0; i0 < n_dq; i0 += kMaxGrid) {
     const int64_t n = std::min(kMaxGrid, n_dq - i0);
-    dq_kernel<T, A, VEC, O><<<(unsigned)n, kThreads, smem_dq, st>>>(p, i0);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_pdl(dq_kernel<T, A, VEC, O>, dim3((unsigned)n), dim3(kThreads), smem_dq, st, p, i0);
   }
   if (n_dd > 0) set_dd_smem<T, A, VEC, O>(smem_dd);
   for (int64_t i0 = 0; i0 < n_dd; i0 += kMaxGrid) {
     const int64_t n = std::min(kMaxGrid, n_dd - i0);
-    dd_kernel<T, A, VEC, O><<<(unsigned)n, kThreads, smem_dd, st>>>(p, i0);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_pdl(dd_kernel<T, A, VEC, O>, dim3((unsigned)n), dim3(kThreads), smem_dd, st, p, i0);
   }
 }
 

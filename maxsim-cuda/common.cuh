@@ -14,6 +14,7 @@
 #include <type_traits>
 
 #include "check.h"
+#include "pdl.cuh"
 #include "search_keys.h"
 
 namespace maxsim {

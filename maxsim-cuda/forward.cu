@@ -86,6 +86,7 @@ __device__ __forceinline__ bool pair_ok(const FwdParams& p, int64_t pr, int& qs,
 
 // row_mode 1: score = sum of the tpq tile partials, in tile order.
 __global__ void __launch_bounds__(256) finalize_partial_kernel(FwdParams p) {
+  pdl_enter();
   int64_t pr = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (pr >= p.P) return;
   int qs, ql;
@@ -100,6 +101,7 @@ __global__ void __launch_bounds__(256) finalize_partial_kernel(FwdParams p) {
 // With S == 0 it only writes 0 / NaN scores and -1 argmax (lq == 0).
 template <bool ARG>
 __global__ void __launch_bounds__(256) finalize_rows_kernel(FwdParams p) {
+  pdl_enter();
   int64_t pr = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   if (pr >= p.P) return;
@@ -244,15 +246,11 @@ int choose_mma_cfg(int64_t layout, int64_t nq, int64_t lq) {
 
 void launch_finalize(bool arg, const FwdParams& p, cudaStream_t st) {
   if (p.row_mode == 1) {
-    finalize_partial_kernel<<<(unsigned)((p.P + 255) / 256), 256, 0, st>>>(p);
+    launch_pdl(finalize_partial_kernel, dim3((unsigned)((p.P + 255) / 256)), dim3(256), 0, st, p);
   } else {
-    int64_t blocks = (p.P * 32 + 255) / 256;
-    if (arg)
-      finalize_rows_kernel<true><<<(unsigned)blocks, 256, 0, st>>>(p);
-    else
-      finalize_rows_kernel<false><<<(unsigned)blocks, 256, 0, st>>>(p);
+    const dim3 blocks((unsigned)((p.P * 32 + 255) / 256));
+    launch_pdl(arg ? finalize_rows_kernel<true> : finalize_rows_kernel<false>, blocks, dim3(256), 0, st, p);
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void check_index(const at::Tensor& t, const char* name) {

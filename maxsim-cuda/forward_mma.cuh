@@ -188,6 +188,7 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
   static_assert(WTM % 16 == 0 && WTN % 16 == 0, "warp tile");
   static_assert(BN <= NTH, "one mask byte per thread");
   static_assert(STAGES >= 3, "mask prefetch needs >= 3 stages");
+  pdl_enter();
 
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ long long row_src[BM];
@@ -581,8 +582,7 @@ template <typename T, int CFG, bool ARG, int SCM>
 inline void launch_mma_cfg(const FwdParams& p, int64_t item0, int64_t nitems, size_t smem, cudaStream_t stream) {
   using C = typename MmaCfgOf<CFG>::type;
   prepare_mma<T, CFG, ARG, SCM>(smem);
-  mma_fwd_kernel<T, C, ARG, SCM><<<(unsigned)nitems, C::NTH, smem, stream>>>(p, item0);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_pdl(mma_fwd_kernel<T, C, ARG, SCM>, dim3((unsigned)nitems), dim3(C::NTH), smem, stream, p, item0);
 }
 
 // Resident CTAs per SM, cached per (device, shared memory): the host asks on

@@ -34,6 +34,7 @@ __global__ void __launch_bounds__(kSimtNTH, 2) simt_fwd_kernel(FwdParams p, int6
   __shared__ float rb[BM];
   __shared__ int ri[BM];
 
+  pdl_enter();
   const int tid = threadIdx.x;
   const int tx = tid & 15, ty = tid >> 4;
   const Work w = decode_work<BN>(p, item0 + blockIdx.x);
@@ -164,11 +165,8 @@ __global__ void __launch_bounds__(kSimtNTH, 2) simt_fwd_kernel(FwdParams p, int6
 
 template <typename T>
 inline void launch_simt(bool arg, const FwdParams& p, int64_t item0, int64_t nitems, cudaStream_t stream) {
-  if (arg)
-    simt_fwd_kernel<T, true><<<(unsigned)nitems, kSimtNTH, 0, stream>>>(p, item0);
-  else
-    simt_fwd_kernel<T, false><<<(unsigned)nitems, kSimtNTH, 0, stream>>>(p, item0);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_pdl(arg ? simt_fwd_kernel<T, true> : simt_fwd_kernel<T, false>, dim3((unsigned)nitems), dim3(kSimtNTH), 0,
+             stream, p, item0);
 }
 
 template <typename T>

@@ -146,6 +146,7 @@ __device__ __forceinline__ void rank_rows(const FwdParams& p, int64_t lo, int64_
 template <typename T, int KS, int MT, bool RK>
 __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const FwdParams p) {
 #if MAXSIM_STREAM_DEVICE
+  pdl_enter();
   constexpr bool SC = kIsQuant<T>;
   constexpr int U = kStreamU<T, KS>;
   constexpr int W = KS / 2;  // 16-byte vectors per lane per row
@@ -458,8 +459,7 @@ void launch_stream_mt(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st
     const int64_t l2 = at::cuda::getCurrentDeviceProperties()->l2CacheSize;
     p.stream_keep = rows * p.row_bytes * 4 <= l2 * 3 ? 1 : 0;
   }
-  kern<<<(unsigned)blocks(), kStreamWarps * 32, 0, st>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_pdl(kern, dim3((unsigned)blocks()), dim3(kStreamWarps * 32), 0, st, p);
 }
 
 template <typename T, int KS>

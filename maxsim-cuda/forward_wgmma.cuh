@@ -595,6 +595,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
   }
   __syncthreads();
+  pdl_enter();  // the barriers above are set up while the previous kernel finishes
 
   if (warp >= 8) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 104;\n" ::: "memory");
@@ -978,30 +979,32 @@ inline void launch_wgmma(bool arg, const FwdParams& p, int64_t dim, int64_t item
                   : 0;
   if (wg_forced_flags() >= 0) flags = wg_forced_flags();
   TORCH_CHECK((wgmma_available<T, SC>(dim, arg)), "maxsim: wgmma kernel unavailable");
+  const auto go = [&](auto kern, int smem) {
+    launch_pdl(kern, dim3(grid), dim3(kWgThreads), (size_t)smem, stream, map, smap, qmap, p, item0, nitems, flags);
+  };
   if constexpr (kWgRowsOf128Only<T>) {
     if (p.d_scale_per_doc) {
       TORCH_CHECK((wg_kernel_ready<T, 1, false, kScDoc>()), "maxsim: wgmma kernel unavailable");
-      wg_fwd_kernel<T, 1, false, kScDoc><<<grid, kWgThreads, WgCfg<1>::SMEM, stream>>>(map, smap, qmap, p, item0, nitems, flags);
+      go(wg_fwd_kernel<T, 1, false, kScDoc>, WgCfg<1>::SMEM);
     } else {
-      wg_fwd_kernel<T, 1, false, SC><<<grid, kWgThreads, WgCfg<1>::SMEM, stream>>>(map, smap, qmap, p, item0, nitems, flags);
+      go(wg_fwd_kernel<T, 1, false, SC>, WgCfg<1>::SMEM);
     }
   } else if (small) {
     bool int_max = false;  // int8 with one scale per document (rows <= 128 bytes, scores only)
     if constexpr (std::is_same<T, int8_t>::value)
       int_max = !arg && p.d_scale_per_doc && wg_kernel_ready<T, 1, false, kScDoc>();
     if (int_max)
-      wg_fwd_kernel<T, 1, false, kScDoc><<<grid, kWgThreads, WgCfg<1>::SMEM, stream>>>(map, smap, qmap, p, item0, nitems, flags);
+      go(wg_fwd_kernel<T, 1, false, kScDoc>, WgCfg<1>::SMEM);
     else if (arg)
-      wg_fwd_kernel<T, 1, true, SC><<<grid, kWgThreads, WgCfg<1>::SMEM, stream>>>(map, smap, qmap, p, item0, nitems, flags);
+      go(wg_fwd_kernel<T, 1, true, SC>, WgCfg<1>::SMEM);
     else
-      wg_fwd_kernel<T, 1, false, SC><<<grid, kWgThreads, WgCfg<1>::SMEM, stream>>>(map, smap, qmap, p, item0, nitems, flags);
+      go(wg_fwd_kernel<T, 1, false, SC>, WgCfg<1>::SMEM);
   } else {
     if (arg)
-      wg_fwd_kernel<T, 2, true, SC><<<grid, kWgThreads, WgCfg<2>::SMEM, stream>>>(map, smap, qmap, p, item0, nitems, flags);
+      go(wg_fwd_kernel<T, 2, true, SC>, WgCfg<2>::SMEM);
     else
-      wg_fwd_kernel<T, 2, false, SC><<<grid, kWgThreads, WgCfg<2>::SMEM, stream>>>(map, smap, qmap, p, item0, nitems, flags);
+      go(wg_fwd_kernel<T, 2, false, SC>, WgCfg<2>::SMEM);
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // Per-dtype entry points (defined in forward_wgmma_<dtype>.cu so the kernels

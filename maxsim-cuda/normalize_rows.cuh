@@ -16,6 +16,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common.cuh"
 #include "convert.cuh"
@@ -44,6 +45,7 @@ __device__ __forceinline__ float row_sumsq(const T* __restrict__ x, int64_t dim,
 template <class T>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) inv_norms_kernel(const T* __restrict__ x, int64_t rows,
                                                                       int64_t dim, float* __restrict__ inv) {
+  pdl_enter();
   const int64_t r = (int64_t)blockIdx.x * kWarpsPerBlock + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
   if (r >= rows) return;
@@ -55,6 +57,7 @@ template <class T>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     normalize_grad_kernel(const float* __restrict__ g, const T* __restrict__ x, int64_t rows, int64_t dim,
                           T* __restrict__ out) {
+  pdl_enter();
   const int64_t r = (int64_t)blockIdx.x * kWarpsPerBlock + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
   if (r >= rows) return;
@@ -77,6 +80,7 @@ template <class T>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) inv_norms_vec_kernel(const T* __restrict__ x, int64_t rows,
                                                                           int64_t nvec, float* __restrict__ inv) {
   constexpr int E = 16 / sizeof(T);
+  pdl_enter();
   const int64_t r = ((int64_t)blockIdx.x * kWarpsPerBlock * 32 + threadIdx.x) >> 3;
   const int l = threadIdx.x & 7;
   float ss = 0.f;
@@ -105,14 +109,14 @@ inline void launch_inv_norms(const at::Tensor& x, at::Tensor& inv, cudaStream_t 
   const int64_t bytes = x.size(1) * (int64_t)sizeof(T);
   if (bytes % 16 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0) {
     constexpr int kRowsPerBlock = kWarpsPerBlock * 4;
-    inv_norms_vec_kernel<T><<<(unsigned)((rows + kRowsPerBlock - 1) / kRowsPerBlock), kWarpsPerBlock * 32, 0, st>>>(
-        static_cast<const T*>(x.data_ptr()), rows, bytes / 16, inv.data_ptr<float>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_pdl(inv_norms_vec_kernel<T>, dim3((unsigned)((rows + kRowsPerBlock - 1) / kRowsPerBlock)),
+               dim3(kWarpsPerBlock * 32), 0, st, static_cast<const T*>(x.data_ptr()), rows, bytes / 16,
+               inv.data_ptr<float>());
     return;
   }
-  inv_norms_kernel<T><<<(unsigned)((rows + kWarpsPerBlock - 1) / kWarpsPerBlock), kWarpsPerBlock * 32, 0, st>>>(
-      static_cast<const T*>(x.data_ptr()), rows, x.size(1), inv.data_ptr<float>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_pdl(inv_norms_kernel<T>, dim3((unsigned)((rows + kWarpsPerBlock - 1) / kWarpsPerBlock)),
+             dim3(kWarpsPerBlock * 32), 0, st, static_cast<const T*>(x.data_ptr()), rows, x.size(1),
+             inv.data_ptr<float>());
 }
 
 // [rows] fp32 inverse norms of a contiguous [rows, dim] fp32 / fp16 / bf16 tensor.
@@ -134,22 +138,17 @@ inline void normalize_grad(const at::Tensor& g, const at::Tensor& x, at::Tensor&
   cudaStream_t st = at::cuda::getCurrentCUDAStream();
   const unsigned blocks = (unsigned)((rows + kWarpsPerBlock - 1) / kWarpsPerBlock);
   const float* gp = g.data_ptr<float>();
+  const auto go = [&](auto* xp, auto* op) {
+    using E = std::remove_const_t<std::remove_pointer_t<decltype(xp)>>;
+    launch_pdl(normalize_grad_kernel<E>, dim3(blocks), dim3(kWarpsPerBlock * 32), 0, st, gp, xp, rows, dim, op);
+  };
   switch (x.scalar_type()) {
-    case at::kHalf:
-      normalize_grad_kernel<__half><<<blocks, kWarpsPerBlock * 32, 0, st>>>(
-          gp, static_cast<const __half*>(x.data_ptr()), rows, dim, static_cast<__half*>(out.data_ptr()));
-      break;
+    case at::kHalf: go(static_cast<const __half*>(x.data_ptr()), static_cast<__half*>(out.data_ptr())); break;
     case at::kBFloat16:
-      normalize_grad_kernel<__nv_bfloat16><<<blocks, kWarpsPerBlock * 32, 0, st>>>(
-          gp, static_cast<const __nv_bfloat16*>(x.data_ptr()), rows, dim,
-          static_cast<__nv_bfloat16*>(out.data_ptr()));
+      go(static_cast<const __nv_bfloat16*>(x.data_ptr()), static_cast<__nv_bfloat16*>(out.data_ptr()));
       break;
-    default:
-      normalize_grad_kernel<float><<<blocks, kWarpsPerBlock * 32, 0, st>>>(
-          gp, static_cast<const float*>(x.data_ptr()), rows, dim, static_cast<float*>(out.data_ptr()));
-      break;
+    default: go(static_cast<const float*>(x.data_ptr()), static_cast<float*>(out.data_ptr())); break;
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace cuda_norm

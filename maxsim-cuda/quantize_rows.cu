@@ -7,6 +7,7 @@
 #include <cuda_fp8.h>
 
 #include "convert.cuh"
+#include "pdl.cuh"
 #include "quantize_rows.h"
 #include "torch_binding.h"
 
@@ -16,6 +17,7 @@ namespace {
 template <typename T, bool FP8>
 __global__ void quantize_rows_kernel(const T* __restrict__ x, int64_t rows, int64_t d, int64_t dp,
                                      unsigned char* __restrict__ out, float* __restrict__ scales, bool own) {
+  pdl_enter();
   const int lane = threadIdx.x & 31;
   const int64_t nwarps = (int64_t)gridDim.x * (blockDim.x >> 5);
   const float qm = quant_rows::qmax(FP8 ? quant_rows::kFp8 : quant_rows::kInt8);
@@ -53,13 +55,10 @@ void launch(const at::Tensor& x, int64_t kind, at::Tensor& values, at::Tensor& s
   auto stream = at::cuda::getCurrentCUDAStream();
   const T* xp = reinterpret_cast<const T*>(x.data_ptr());
   auto* vp = reinterpret_cast<unsigned char*>(values.data_ptr());
-  if (kind == quant_rows::kFp8)
-    quantize_rows_kernel<T, true><<<(unsigned)blocks, threads, 0, stream>>>(xp, T_, x.size(1), values.size(1), vp,
-                                                                          scales.data_ptr<float>(), own);
-  else
-    quantize_rows_kernel<T, false><<<(unsigned)blocks, threads, 0, stream>>>(xp, T_, x.size(1), values.size(1), vp,
-                                                                           scales.data_ptr<float>(), own);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const int64_t d = x.size(1), dp = values.size(1);
+  float* sp = scales.data_ptr<float>();
+  const auto kern = kind == quant_rows::kFp8 ? quantize_rows_kernel<T, true> : quantize_rows_kernel<T, false>;
+  launch_pdl(kern, dim3((unsigned)blocks), dim3(threads), 0, stream, xp, T_, d, dp, vp, sp, own);
 }
 
 }  // namespace

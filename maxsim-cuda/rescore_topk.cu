@@ -20,6 +20,16 @@
 #include "torch_binding.h"
 
 namespace maxsim {
+namespace {
+
+// The rank's row counters, zeroed by a dependent launch of its own (at::zeros
+// would be an ordinary launch between the select and the re-score).
+__global__ void zero_counts_kernel(int* __restrict__ c, int64_t n) {
+  pdl_enter();
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) c[i] = 0;
+}
+
+}  // namespace
 
 std::tuple<at::Tensor, at::Tensor> rescore_topk_cuda(const at::Tensor& q, const at::Tensor& q_start,
                                                      const at::Tensor& q_len, const std::optional<at::Tensor>& q_mask,
@@ -42,7 +52,7 @@ std::tuple<at::Tensor, at::Tensor> rescore_topk_cuda(const at::Tensor& q, const 
   const bool shape = q.dim() == 2 && d.dim() == 2 && q.size(1) == d.size(1) && lq >= 1 && lq <= 32;
   const int64_t mean_ld = Nd > 0 ? d.size(0) / Nd : 0;
   const bool stream_ok =
-      b16 && idx && shape && k > 0 && kc >= 1 && Nq * kc <= INT32_MAX && prop->major >= 8 && mean_ld <= 4096;
+      b16 && idx && shape && k > 0 && kc >= 1 && Nq >= 1 && Nq * kc <= INT32_MAX && prop->major >= 8 && mean_ld <= 4096;
   if (!stream_ok)
     return rescore_topk_composed(&forward_cuda, &block_topk_cuda, &decode_keys_cuda, q, q_start, q_len, q_mask, d,
                                  d_start, d_len, d_mask, keys, lq, k);
@@ -79,7 +89,9 @@ std::tuple<at::Tensor, at::Tensor> rescore_topk_cuda(const at::Tensor& q, const 
     return top_k_decoded(&block_topk_cuda, &decode_keys_cuda, scores.view({Nq, kc}), std::get<1>(decode_keys_cuda(kk)),
                          k);
   }
-  at::Tensor done = at::zeros({Nq}, qc.options().dtype(at::kInt));
+  at::Tensor done = at::empty({Nq}, qc.options().dtype(at::kInt));
+  launch_pdl(zero_counts_kernel, dim3((unsigned)std::min<int64_t>((Nq + 255) / 256, 1024)), dim3(256), 0, stream,
+             done.data_ptr<int>(), Nq);
   at::Tensor out_s = at::empty({Nq, k}, fopts);
   at::Tensor out_id = at::empty({Nq, k}, qc.options().dtype(at::kLong));
   p.rank_done = done.data_ptr<int>();

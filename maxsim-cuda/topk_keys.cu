@@ -21,12 +21,14 @@ namespace {
 
 __global__ void encode_keys_kernel(const float* __restrict__ s, const int64_t* __restrict__ ids,
                                    int64_t* __restrict__ out, int64_t total, int64_t n, int64_t id0) {
+  pdl_enter();
   int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (i < total) out[i] = search_keys::encode_id(s[i], ids ? ids[i] : id0 + i % n);
 }
 
 __global__ void decode_keys_kernel(const int64_t* __restrict__ k, float* __restrict__ s, int64_t* __restrict__ ids,
                                    int64_t total) {
+  pdl_enter();
   int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (i < total) search_keys::decode(k[i], s[i], ids[i]);
 }
@@ -40,8 +42,8 @@ void launch_select(const void* src, const int64_t* ids, int64_t R, int64_t m, in
   const int smem = kBytesPerKey * (int)chunk;
   static int set_bytes[kSmemOptInDevices] = {};
   opt_in_dynamic_smem(kernel, smem, set_bytes);
-  kernel<<<(unsigned)(R * nchunks), T, smem, stream>>>(src, ids, m, id0, (int)nchunks, (int)chunk, (int)kk, out);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_pdl(kernel, dim3((unsigned)(R * nchunks)), dim3(T), smem, stream, src, ids, m, id0, (int)nchunks, (int)chunk,
+             (int)kk, out);
 }
 
 // Keys one select_kernel CTA holds on the current device: kChunk, or fewer
@@ -105,13 +107,12 @@ at::Tensor block_topk_cuda(const at::Tensor& scores, int64_t id0, int64_t k, con
         else
           launch_select<512, false>(src, sip, R, m, id0, nchunks, chunk, kk, dst, stream);
       } else {
+        const dim3 grid((unsigned)(R * nchunks)), block(kWideThreads);
+        const int64_t* no_ids = nullptr;
         if (keys)
-          select_wide_kernel<true><<<(unsigned)(R * nchunks), kWideThreads, 0, stream>>>(src, nullptr, m, id0,
-                                                                                       (int)nchunks, (int)kk, dst);
+          launch_pdl(select_wide_kernel<true>, grid, block, 0, stream, src, no_ids, m, id0, (int)nchunks, (int)kk, dst);
         else
-          select_wide_kernel<false><<<(unsigned)(R * nchunks), kWideThreads, 0, stream>>>(src, sip, m, id0,
-                                                                                        (int)nchunks, (int)kk, dst);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+          launch_pdl(select_wide_kernel<false>, grid, block, 0, stream, src, sip, m, id0, (int)nchunks, (int)kk, dst);
       }
       cur = next;
       keys = true;
@@ -122,9 +123,8 @@ at::Tensor block_topk_cuda(const at::Tensor& scores, int64_t id0, int64_t k, con
   at::Tensor keys = at::empty(s.sizes(), s.options().dtype(at::kLong));
   const int64_t total = s.numel();
   if (total > 0) {
-    encode_keys_kernel<<<(unsigned)((total + 255) / 256), 256, 0, stream>>>(
-        s.data_ptr<float>(), ip, keys.data_ptr<int64_t>(), total, n, id0);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_pdl(encode_keys_kernel, dim3((unsigned)((total + 255) / 256)), dim3(256), 0, stream,
+               (const float*)s.data_ptr<float>(), ip, keys.data_ptr<int64_t>(), total, n, id0);
   }
   if (kk == n) return std::get<0>(at::sort(keys, 1, /*descending=*/true));
   return std::get<0>(at::topk(keys, kk, 1, /*largest=*/true, /*sorted=*/true));
@@ -138,9 +138,9 @@ std::tuple<at::Tensor, at::Tensor> decode_keys_cuda(const at::Tensor& keys) {
   at::Tensor ids = at::empty(k.sizes(), k.options());
   const int64_t total = k.numel();
   if (total > 0) {
-    decode_keys_kernel<<<(unsigned)((total + 255) / 256), 256, 0, at::cuda::getCurrentCUDAStream()>>>(
-        k.data_ptr<int64_t>(), s.data_ptr<float>(), ids.data_ptr<int64_t>(), total);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_pdl(decode_keys_kernel, dim3((unsigned)((total + 255) / 256)), dim3(256), 0,
+               at::cuda::getCurrentCUDAStream(), (const int64_t*)k.data_ptr<int64_t>(), s.data_ptr<float>(),
+               ids.data_ptr<int64_t>(), total);
   }
   return {s, ids};
 }

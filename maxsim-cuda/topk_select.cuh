@@ -29,6 +29,8 @@
 
 #include <cstdint>
 
+#include "pdl.cuh"
+
 #include "common.cuh"  // cp.async wrappers
 #include "search_keys.h"
 
@@ -282,6 +284,7 @@ __global__ void __launch_bounds__(T)
     select_kernel(const void* __restrict__ in, const int64_t* __restrict__ ids, int64_t n, int64_t id0,
                   int nchunks, int chunk, int kk, int64_t* __restrict__ out) {
   static_assert(T % 32 == 0 && T <= 1024 && kBins % T == 0, "threads");
+  pdl_enter();
   constexpr int W = T / 32;
   extern __shared__ __align__(16) unsigned char smem[];
   // Two histograms (two passes without re-zeroing), then the selected keys
@@ -475,6 +478,7 @@ template <bool KEYS>
 __global__ void __launch_bounds__(kWideThreads)
     select_wide_kernel(const void* __restrict__ in, const int64_t* __restrict__ ids, int64_t n, int64_t id0,
                        int nchunks, int kk, int64_t* __restrict__ out) {
+  pdl_enter();
   __shared__ int hist[kBins];
   __shared__ unsigned long long sel[kCap];
   __shared__ unsigned long long red[2][32];
