@@ -647,19 +647,19 @@ __device__ __forceinline__ void dd_cta(const BwdParams& p, int64_t item) {
 // drain (dq first measured 1-5 % slower, alternating 6-15 %).
 template <class T, class A, int VEC, class O>
 __global__ void __launch_bounds__(kThreads, 3) dq_kernel(const BwdParams p, int64_t item0) {
-  pdl_enter();
+  pdl_wait();
   dq_cta<T, A, VEC, O>(p, item0 + blockIdx.x);
 }
 
 template <class T, class A, int VEC, class O>
 __global__ void __launch_bounds__(kThreads, 2) dd_kernel(const BwdParams p, int64_t item0) {
-  pdl_enter();
+  pdl_wait();
   dd_cta<T, A, VEC, O>(p, item0 + blockIdx.x);
 }
 
 template <class T, class A, int VEC, class O>
 __global__ void __launch_bounds__(kThreads, 2) dqdd_kernel(const BwdParams p, int n_dd) {
-  pdl_enter();
+  pdl_wait();
   const int b = (int)blockIdx.x;
   if (b < n_dd)
     dd_cta<T, A, VEC, O>(p, b);

@@ -188,7 +188,7 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
   static_assert(WTM % 16 == 0 && WTN % 16 == 0, "warp tile");
   static_assert(BN <= NTH, "one mask byte per thread");
   static_assert(STAGES >= 3, "mask prefetch needs >= 3 stages");
-  pdl_enter();
+  pdl_wait();
 
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ long long row_src[BM];

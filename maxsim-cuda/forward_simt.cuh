@@ -34,7 +34,7 @@ __global__ void __launch_bounds__(kSimtNTH, 2) simt_fwd_kernel(FwdParams p, int6
   __shared__ float rb[BM];
   __shared__ int ri[BM];
 
-  pdl_enter();
+  pdl_wait();
   const int tid = threadIdx.x;
   const int tx = tid & 15, ty = tid >> 4;
   const Work w = decode_work<BN>(p, item0 + blockIdx.x);

@@ -146,7 +146,7 @@ __device__ __forceinline__ void rank_rows(const FwdParams& p, int64_t lo, int64_
 template <typename T, int KS, int MT, bool RK>
 __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const FwdParams p) {
 #if MAXSIM_STREAM_DEVICE
-  pdl_enter();
+  pdl_wait();
   constexpr bool SC = kIsQuant<T>;
   constexpr int U = kStreamU<T, KS>;
   constexpr int W = KS / 2;  // 16-byte vectors per lane per row
@@ -321,6 +321,10 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
       fetch(t + U, u);
     }
   }
+  // The next kernel may launch once every CTA is past its loads: triggered
+  // at the start, a one-wave grid's successor took the free slots of a
+  // partly filled GPU, unevenly (H100, rerank-short 32.0 -> 34.5 us).
+  pdl_trigger();
   // Row r = 16 mt + 8 h + g: max over the quad, then to lane r.
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)

@@ -595,7 +595,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
   }
   __syncthreads();
-  pdl_enter();  // the barriers above are set up while the previous kernel finishes
+  pdl_wait();  // the barriers above are set up while the previous kernel finishes
 
   if (warp >= 8) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 104;\n" ::: "memory");

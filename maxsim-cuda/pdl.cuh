@@ -9,12 +9,15 @@
 // The rule that keeps it exact: a kernel launched by launch_pdl calls
 // pdl_wait() before its first global memory access, read or write (until
 // then the previous kernel may still be writing this kernel's inputs, or
-// reading memory the allocator has recycled into its outputs), and
-// pdl_trigger() once every CTA it still needs is resident (its dependents'
-// CTAs then take free slots and wait; calling it at the start lets the next
-// kernel launch as this grid's last wave starts). Before sm_90 both are
-// no-ops and the launch is an ordinary one. MAXSIM_PDL=0 in the environment
-// turns the attribute off (ordinary launches everywhere).
+// reading memory the allocator has recycled into its outputs). pdl_trigger()
+// lets the next kernel launch once every CTA of this grid has called it (or
+// exited); its CTAs then take free SM slots and wait. Small kernels (select,
+// quantise, keys, finalize, norms) trigger at the start. The forward and
+// backward grids trigger only after their main loop (streaming kernel) or
+// at exit: an early successor of a one-wave grid took the free slots of a
+// partly filled GPU unevenly (H100, rerank-short 32.0 -> 34.5 us). Before
+// sm_90 both are no-ops and the launch is an ordinary one. MAXSIM_PDL=0 in
+// the environment turns the attribute off (ordinary launches everywhere).
 #pragma once
 
 #include <ATen/cuda/CUDAContext.h>
@@ -39,7 +42,7 @@ __device__ __forceinline__ void pdl_trigger() {
 #endif
 }
 
-// Both, at the top of a kernel.
+// Both, at the top of a small kernel.
 __device__ __forceinline__ void pdl_enter() {
   pdl_wait();
   pdl_trigger();
