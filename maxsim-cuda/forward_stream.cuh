@@ -321,10 +321,12 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
       fetch(t + U, u);
     }
   }
-  // The next kernel may launch once every CTA is past its loads: triggered
-  // at the start, a one-wave grid's successor took the free slots of a
-  // partly filled GPU, unevenly (H100, rerank-short 32.0 -> 34.5 us).
-  pdl_trigger();
+  // A grid of several waves lets the next kernel launch once every CTA is
+  // past its loads (its CTAs wait in the slots the tail frees); a one-wave
+  // grid leaves it to the exit: triggered at the start, rerank-short's
+  // successor took the free slots of a partly filled GPU (H100, 32.0 ->
+  // 34.5 us), triggered here still 32.2.
+  if (p.stream_waves > 1) pdl_trigger();
   // Row r = 16 mt + 8 h + g: max over the quad, then to lane r.
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
@@ -463,6 +465,7 @@ void launch_stream_mt(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st
     const int64_t l2 = at::cuda::getCurrentDeviceProperties()->l2CacheSize;
     p.stream_keep = rows * p.row_bytes * 4 <= l2 * 3 ? 1 : 0;
   }
+  p.stream_waves = blocks() > (int64_t)per_sm * num_sms ? 2 : 1;
   launch_pdl(kern, dim3((unsigned)blocks()), dim3(kStreamWarps * 32), 0, st, p);
 }
 

@@ -13,9 +13,9 @@
 // lets the next kernel launch once every CTA of this grid has called it (or
 // exited); its CTAs then take free SM slots and wait. Small kernels (select,
 // quantise, keys, finalize, norms) trigger at the start. The forward and
-// backward grids trigger only after their main loop (streaming kernel) or
-// at exit: an early successor of a one-wave grid took the free slots of a
-// partly filled GPU unevenly (H100, rerank-short 32.0 -> 34.5 us). Before
+// backward grids trigger after their main loop (streaming kernel, several
+// waves) or at exit: an early successor of a one-wave grid took the free
+// slots of a partly filled GPU (H100, rerank-short 32.0 -> 34.5 us). Before
 // sm_90 both are no-ops and the launch is an ordinary one. MAXSIM_PDL=0 in
 // the environment turns the attribute off (ordinary launches everywhere).
 #pragma once
