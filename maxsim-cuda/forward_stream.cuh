@@ -148,7 +148,7 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
 #if MAXSIM_STREAM_DEVICE
   pdl_wait();
   constexpr bool SC = kIsQuant<T>;
-  constexpr int U = RK ? 8 : kStreamU<T, KS>;
+  constexpr int U = kStreamU<T, KS>;
   constexpr int W = KS / 2;  // 16-byte vectors per lane per row
   const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, warp = threadIdx.x >> 5;
   // Head CTAs: kStreamWarps / SP pairs each; tail CTAs: one pair over all
