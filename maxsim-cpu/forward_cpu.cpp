@@ -15,7 +15,6 @@
 #include <type_traits>
 
 #include "normalize_rows.h"
-#include "quantize_rows.h"
 #include "tile_kernels.h"
 #include "torch_binding.h"
 
@@ -434,13 +433,7 @@ std::tuple<at::Tensor, at::Tensor> forward_quant_cpu(
     const std::optional<at::Tensor>& q_mask, const at::Tensor& d, const at::Tensor& d_scale,
     const at::Tensor& d_start, const at::Tensor& d_len, const std::optional<at::Tensor>& d_mask,
     const std::optional<at::Tensor>& pair_q, const std::optional<at::Tensor>& pair_d, int64_t layout, int64_t lq,
-    int64_t argmax_kind, bool uniform_doc_scales /*per-token scales are exact either way*/) {
-  if (quant_rows::raw_query(q)) {  // a float query: quantised first, as the documents were
-    quant_rows::check_raw_query(q, q_scale, d);
-    const auto [qv, qs] = quantize_cpu(q, quant_rows::kind_of_tokens(d), std::nullopt);
-    return forward_quant_cpu(qv, qs, q_start, q_len, q_mask, d, d_scale, d_start, d_len, d_mask, pair_q, pair_d,
-                             layout, lq, argmax_kind, uniform_doc_scales);
-  }
+    int64_t argmax_kind, bool /*uniform_doc_scales: per-token scales are exact either way*/) {
   TORCH_CHECK(q.scalar_type() == d.scalar_type() &&
                   (q.scalar_type() == at::kChar || q.scalar_type() == at::kFloat8_e4m3fn),
               "maxsim forward_quant_cpu: q and d must share dtype int8 or float8_e4m3fn");

@@ -43,12 +43,6 @@ struct FwdParams {
   // 8-bit tokens (forward_quant) always; float tokens under `normalize`
   // (inverse row norms); else null.
   const float* q_scale;  // [Tq]
-  // forward_quant's float query (one query, 8-bit streaming kernel): 16-bit
-  // rows [Tq, q_raw_dim] the kernel quantises itself as the quantize op
-  // does; q / q_scale are then unused.
-  const char* q_raw;
-  int64_t q_raw_dim;
-  int q_raw_bf16;
   const float* d_scale;  // [Td]
   // forward_quant's promise that d_scale is constant (and > 0) within each
   // document: the wgmma kernel then applies it to the row maxima.

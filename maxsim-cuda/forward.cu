@@ -273,7 +273,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
                                                 const std::optional<at::Tensor>& pair_q,
                                                 const std::optional<at::Tensor>& pair_d, int64_t layout, int64_t lq,
                                                 int64_t argmax_kind, bool tf32, bool normalize,
-                                                bool uniform_doc_scales = false, const at::Tensor* q_raw = nullptr) {
+                                                bool uniform_doc_scales = false) {
   TORCH_CHECK(q_in.is_cuda() && d_in.is_cuda(), "maxsim: q and d must be CUDA tensors");
   TORCH_CHECK(q_in.dim() == 2 && d_in.dim() == 2 && q_in.size(1) == d_in.size(1),
               "maxsim: q [Tq, dim] and d [Td, dim] must share dim");
@@ -384,29 +384,8 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
   // notes, session 11). Very long documents take the tile kernel's splits.
   const int64_t mean_ld = Nd > 0 ? d.size(0) / Nd : 0;  // also sizes the doc splits below
   const bool stream_layout = (layout == kCross && Nq == 1) || (layout != kCross && !quant);
-  const bool stream_take = ((g_forced_cfg == -1 && stream_layout) || g_forced_cfg == -3) && prop->major >= 8 &&
-                           mean_ld <= 4096 && stream_shape_ok(dtype, lq, arg, scaled, prop->major * 10 + prop->minor, p);
-  // forward_quant's float query (q / q_scale are unfilled placeholders):
-  // one query on the streaming scan quantises it in the kernel
-  // (stage_raw_query; H100, int8 search at 10k documents: see perf notes,
-  // session 20), anything else quantises it here first.
-  at::Tensor qv_first, qs_first;
-  if (q_raw != nullptr) {
-    const auto rt = q_raw->scalar_type();
-    const bool inside = stream_take && layout == kCross && Nq == 1 && p.row_bytes <= kRawRowBytes &&
-                        (rt == at::kHalf || rt == at::kBFloat16) && q_raw->size(1) % 8 == 0 &&
-                        reinterpret_cast<uintptr_t>(q_raw->data_ptr()) % 16 == 0;
-    if (inside) {
-      p.q_raw = static_cast<const char*>(q_raw->data_ptr());
-      p.q_raw_dim = q_raw->size(1);
-      p.q_raw_bf16 = rt == at::kBFloat16;
-    } else {
-      std::tie(qv_first, qs_first) = quantize_cuda(*q_raw, quant_rows::kind_of_tokens(d), std::nullopt);
-      p.q = static_cast<const char*>(qv_first.data_ptr());
-      p.q_scale = qs_first.data_ptr<float>();
-    }
-  }
-  if (stream_take) {
+  if (((g_forced_cfg == -1 && stream_layout) || g_forced_cfg == -3) && prop->major >= 8 && mean_ld <= 4096 &&
+      stream_shape_ok(dtype, lq, arg, scaled, prop->major * 10 + prop->minor, p)) {
     p.stream_split = g_stream_split;
     p.stream_il = g_stream_il;
     p.stream_qsm = g_stream_qsm;
@@ -574,17 +553,6 @@ std::tuple<at::Tensor, at::Tensor> forward_quant_cuda(
     const at::Tensor& d_start, const at::Tensor& d_len, const std::optional<at::Tensor>& d_mask,
     const std::optional<at::Tensor>& pair_q, const std::optional<at::Tensor>& pair_d, int64_t layout, int64_t lq,
     int64_t argmax_kind, bool uniform_doc_scales) {
-  if (quant_rows::raw_query(q)) {
-    quant_rows::check_raw_query(q, q_scale, d);
-    TORCH_CHECK(q.is_cuda() && d.is_cuda(), "maxsim: q and d must be CUDA tensors");
-    // The quantised rows and scales as placeholders for the shared checks
-    // and set-up: filled only where the kernel does not quantise itself.
-    const at::Tensor qr = q.contiguous(), ds = d_scale.contiguous();
-    const at::Tensor qv = at::empty({qr.size(0), d.size(1)}, d.options().memory_format(at::MemoryFormat::Contiguous));
-    const at::Tensor qs = at::empty({qr.size(0)}, qr.options().dtype(at::kFloat));
-    return cuda_fwd::forward_impl(qv, &qs, q_start, q_len, q_mask, d, &ds, d_start, d_len, d_mask, pair_q, pair_d,
-                                  layout, lq, argmax_kind, false, false, uniform_doc_scales, &qr);
-  }
   const at::Tensor qs = q_scale.contiguous(), ds = d_scale.contiguous();
   return cuda_fwd::forward_impl(q, &qs, q_start, q_len, q_mask, d, &ds, d_start, d_len, d_mask, pair_q, pair_d,
                                 layout, lq, argmax_kind, false, false, uniform_doc_scales);

@@ -33,7 +33,6 @@
 #include <c10/cuda/CUDAException.h>
 
 #include "common.cuh"
-#include "quantize_rows.h"
 
 namespace maxsim {
 namespace cuda_fwd {
@@ -142,49 +141,6 @@ __device__ __forceinline__ void rank_rows(const FwdParams& p, int64_t lo, int64_
   }
 }
 
-// forward_quant's float query (p.q_raw: one query, 8-bit rows of <= 128
-// bytes, 16-bit raw rows of dim % 8 == 0): the CTA quantises it itself,
-// with the arithmetic of the quantize op (quantize_rows.h, as
-// quantize_rows_kernel: the same bytes and scales), while the documents'
-// first tiles are in flight -- instead of a quantize launch before the scan.
-// The raw rows go to `raw` (16-byte loads by the whole CTA), then warp w
-// quantises rows w, w + 4, ... into q8 (row stride row_bytes) and their
-// scales into qsc. Called by every thread; ends on a barrier.
-constexpr int kRawRowBytes = 128;  // 8-bit rows the in-kernel quantisation takes
-
-template <typename T>
-__device__ __forceinline__ void stage_raw_query(const FwdParams& p, int qs0, int ql0, uint4* raw, unsigned char* q8,
-                                                float* qsc) {
-  constexpr bool kF8 = std::is_same<T, __nv_fp8_e4m3>::value;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int dr = (int)p.q_raw_dim, rb = (int)p.row_bytes;
-  const bool bf = p.q_raw_bf16 != 0;
-  const uint4* src = reinterpret_cast<const uint4*>(p.q_raw + (int64_t)qs0 * dr * 2);
-  for (int x = tid; x < ql0 * dr / 8; x += kStreamWarps * 32) raw[x] = __ldg(src + x);
-  __syncthreads();
-  const auto val = [bf](unsigned short b) {
-    return bf ? __uint_as_float((unsigned)b << 16) : __half2float(__ushort_as_half(b));
-  };
-  const float qm = quant_rows::qmax(kF8 ? quant_rows::kFp8 : quant_rows::kInt8);
-  for (int r = warp; r < ql0; r += kStreamWarps) {
-    const unsigned short* xr = reinterpret_cast<const unsigned short*>(raw) + r * dr;
-    float m = 0.f;
-    for (int c = lane; c < dr; c += 32) m = quant_rows::amax_step(m, val(xr[c]));
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) m = quant_rows::amax_step(m, __shfl_xor_sync(0xffffffffu, m, o));
-    const float s = quant_rows::scale_of(m, qm);
-    if (lane == 0) qsc[r] = s;
-    for (int c = lane; c < rb; c += 32) {
-      const float y = c < dr ? __fdiv_rn(val(xr[c]), s) : 0.f;
-      if constexpr (kF8)
-        q8[r * rb + c] = (unsigned char)__nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E4M3);
-      else
-        q8[r * rb + c] = (unsigned char)quant_rows::int8_of_rounded(rintf(y));
-    }
-  }
-  __syncthreads();
-}
-
 // KS: k steps (row bytes / 32); MT: m tiles of 16 query rows (lq <= 16 * MT);
 // RK: the fused top-k of rescore_topk (rank_rows; 16-bit tokens only).
 template <typename T, int KS, int MT, bool RK>
@@ -256,23 +212,14 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
   // documents, GROUPED candidates), else read by each warp. The documents'
   // first tiles are already in flight.
   __shared__ uint4 qsh[32 * 256 / 16];
-  // forward_quant's float query, quantised here (stage_raw_query): its
-  // 8-bit rows and scales.
-  __shared__ uint4 q8sh[SC ? 32 * kRawRowBytes / 16 : 1];
-  __shared__ float qsc_sh[SC ? 32 : 1];
-  const bool raw = SC && p.q_raw != nullptr;
   bool from_sh = false;
-  if (p.stream_qsm || tail || raw) {
+  if (p.stream_qsm || tail) {
     int64_t n0, dn0;
     pair_ids(p, tail ? pr : (int64_t)blockIdx.x * (kStreamWarps / SP), n0, dn0);
     int qs0, ql0;
-    if (query_ok(p, n0, qs0, ql0)) {  // the same for the whole CTA
-      if (raw) {
-        stage_raw_query<T>(p, qs0, ql0, qsh, reinterpret_cast<unsigned char*>(q8sh), qsc_sh);
-      } else {
-        const uint4* src = reinterpret_cast<const uint4*>(p.q + (int64_t)qs0 * rb);
-        for (int x = threadIdx.x; x < ql0 * (int)(rb / 16); x += kStreamWarps * 32) qsh[x] = __ldg(src + x);
-      }
+    if (query_ok(p, n0, qs0, ql0)) {
+      const uint4* src = reinterpret_cast<const uint4*>(p.q + (int64_t)qs0 * rb);
+      for (int x = threadIdx.x; x < ql0 * (int)(rb / 16); x += kStreamWarps * 32) qsh[x] = __ldg(src + x);
       from_sh = ok && n == n0;
     }
     __syncthreads();
@@ -288,7 +235,7 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
       for (int w = 0; w < W; ++w) seg[w] = make_uint4(0, 0, 0, 0);
       if (ok && i < ql) {
         if (from_sh) {
-          const uint4* src = (raw ? q8sh : qsh) + (i * rb + lane_off) / 16;
+          const uint4* src = qsh + (i * rb + lane_off) / 16;
 #pragma unroll
           for (int w = 0; w < W; ++w) seg[w] = src[w * vs];
         } else {
@@ -419,10 +366,7 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
       }
     bool use = ok && lane < ql && v != neg_inf();
     if (use && p.q_mask != nullptr) use = p.q_mask[(int64_t)qs + lane];
-    if (SC && use) {
-      const float qsc = raw ? qsc_sh[lane] : p.q_scale[(int64_t)qs + lane];
-      v *= doc_sc ? qsc * p.d_scale[ds] : qsc;
-    }
+    if (SC && use) v *= doc_sc ? p.q_scale[(int64_t)qs + lane] * p.d_scale[ds] : p.q_scale[(int64_t)qs + lane];
     const float sum = warp_sum(use ? v : 0.f);
     if (lane == 0 && live) p.scores[pr] = ok ? sum : __int_as_float(0x7fc00000);
   }

@@ -55,25 +55,5 @@ inline at::Tensor scales_out(const at::Tensor& x, const std::optional<at::Tensor
   TORCH_CHECK(s.device() == x.device(), "maxsim: quantize scales must be on x's device");
   return s.contiguous().clone();
 }
-
-// forward_quant's float-query form: q float32 / float16 / bfloat16 [Tq, d]
-// with an empty q_scale, quantised as quantize(q, kind of the documents)
-// (d rounded up to 16 = the documents' dim). Backends quantise it first, or
-// (CUDA, one query on the streaming scan) inside the scan.
-inline bool raw_query(const at::Tensor& q) {
-  const auto t = q.scalar_type();
-  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
-}
-inline long kind_of_tokens(const at::Tensor& d) { return d.scalar_type() == at::kFloat8_e4m3fn ? kFp8 : kInt8; }
-inline void check_raw_query(const at::Tensor& q, const at::Tensor& q_scale, const at::Tensor& d) {
-  MAXSIM_CHECK(q_scale.numel() == 0, "maxsim: forward_quant with a float query takes an empty q_scale "
-                                     "(the query is quantised like the documents)");
-  MAXSIM_CHECK(d.scalar_type() == at::kChar || d.scalar_type() == at::kFloat8_e4m3fn,
-               "maxsim: forward_quant: documents must be int8 or float8_e4m3fn");
-  MAXSIM_CHECK(q.dim() == 2 && d.dim() == 2 && padded_dim(q.size(1)) == d.size(1),
-               "maxsim: forward_quant: a float query [Tq, dim] needs dim rounded up to 16 == the documents' dim (%lld)",
-               (long long)(d.dim() == 2 ? d.size(1) : -1));
-  TORCH_CHECK(q.device() == d.device(), "maxsim: forward_quant: q and d must be on the same device");
-}
 }  // namespace quant_rows
 }  // namespace maxsim

@@ -61,10 +61,6 @@ using ForwardFn = std::tuple<at::Tensor, at::Tensor>(
 // uniform_doc_scales: the caller promises that d_scale is the same (> 0)
 // for all tokens of each document, so a kernel may apply it to the row
 // maxima instead of to every product (the result is the same).
-// q may instead be float32 / float16 / bfloat16 [Tq, dim] with an empty
-// q_scale: the result is that of quantize(q, kind of d) passed as (q,
-// q_scale) (quantize_rows.h: raw_query); CUDA quantises one 16-bit query
-// inside the streaming scan, everything else quantises first.
 using ForwardQuantFn = std::tuple<at::Tensor, at::Tensor>(
     const at::Tensor& q, const at::Tensor& q_scale, const at::Tensor& q_start, const at::Tensor& q_len,
     const std::optional<at::Tensor>& q_mask, const at::Tensor& d, const at::Tensor& d_scale,

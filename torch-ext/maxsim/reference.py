@@ -144,15 +144,7 @@ def forward_quant(q, q_scale, q_start, q_len, q_mask, d, d_scale, d_start, d_len
                   accum: torch.dtype = torch.float32):
     """Reference for ``ops.forward_quant``: the forward of the dequantised tokens
     (``uniform_doc_scales`` only lets kernels apply a document's one scale
-    after the max; the result is the same). A float ``q`` with an empty
-    ``q_scale`` is quantised first, like the documents (``quantize``)."""
-    if q.dtype in (torch.float32, torch.float16, torch.bfloat16):
-        if q_scale.numel() != 0:
-            raise RuntimeError("maxsim: forward_quant with a float query takes an empty q_scale")
-        if q.dim() != 2 or d.dim() != 2 or (q.shape[1] + 15) // 16 * 16 != d.shape[1]:
-            raise RuntimeError("maxsim: forward_quant: a float query [Tq, dim] needs dim rounded up to 16 == "
-                               "the documents' dim")
-        q, q_scale = quantize(q, 1 if d.dtype == torch.float8_e4m3fn else 0)
+    after the max; the result is the same)."""
     return forward(dequantize(q, q_scale, accum), q_start, q_len, q_mask, dequantize(d, d_scale, accum),
                    d_start, d_len, d_mask, pair_q, pair_d, layout, lq, argmax_kind, accum=accum)
 

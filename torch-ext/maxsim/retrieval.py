@@ -538,11 +538,7 @@ def search(queries: Tensor, corpus, k: int, *, query_lengths: Optional[Tensor] =
     if corpus.originals is not None:
         k = min(k * oversample, corpus.num_docs) if k else 0
     if quant is not None:
-        if Nq == 1 and dev.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
-            # one query: forward_quant quantises it inside the scan (no launch of its own)
-            qv, qs = q, q.new_empty((0,), dtype=torch.float32)
-        else:
-            qv, qs = quantize_tokens(q, quant)
+        qv, qs = quantize_tokens(q, quant)
     elif q.dtype != corpus.dtype:
         q = q.to(corpus.dtype)
     keys = None
