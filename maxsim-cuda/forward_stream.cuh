@@ -105,17 +105,23 @@ __device__ __forceinline__ void rank_rows(const FwdParams& p, int64_t lo, int64_
   const int tid = threadIdx.x;
   const int kc = (int)p.pair_kc;
   const int64_t k = p.rank_k;
-  __threadfence();  // this CTA's score stores, before its counts
+  // The CTA's score stores reach thread 0 through the barrier; its count is
+  // a release (publishing them, cumulatively, to the CTA that completes the
+  // row) and an acquire (making the other CTAs' stores visible here, and to
+  // this CTA's threads through the next barrier) -- the pattern of CUTLASS's
+  // generic barrier, in place of two full fences.
   __syncthreads();
   if (tid == 0) {
     int nl = 0;
     for (int64_t a = lo; a < hi;) {
       const int64_t n = a / kc, b = min(hi, (n + 1) * kc);
-      if (atomicAdd(p.rank_done + n, (int)(b - a)) + (b - a) == kc) rows[1 + nl++] = (int)n;
+      int old;
+      asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;"
+                   : "=r"(old) : "l"(p.rank_done + n), "r"((int)(b - a)) : "memory");
+      if (old + (b - a) == kc) rows[1 + nl++] = (int)n;
       a = b;
     }
     rows[0] = nl;
-    __threadfence();  // the counted CTAs' stores, before the reads below
   }
   __syncthreads();
   const int nl = rows[0];
