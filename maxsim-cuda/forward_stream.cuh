@@ -150,7 +150,7 @@ __device__ __forceinline__ void rank_rows(const FwdParams& p, int64_t lo, int64_
 // KS: k steps (row bytes / 32); MT: m tiles of 16 query rows (lq <= 16 * MT);
 // RK: the fused top-k of rescore_topk (rank_rows; 16-bit tokens only).
 template <typename T, int KS, int MT, bool RK>
-__global__ void __launch_bounds__(kStreamWarps * 32, std::is_same<T, int8_t>::value && KS <= 4 ? 4 : 1) stream_fwd_kernel(const FwdParams p) {
+__global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const FwdParams p) {
 #if MAXSIM_STREAM_DEVICE
   pdl_wait();
   constexpr bool SC = kIsQuant<T>;
