@@ -98,8 +98,8 @@ constexpr int kRankMax = kStreamWarps * 32;
 // registers 3.7 us, a shared-memory one ~6 us; past 128 keys (4 per thread,
 // blocks merged by binary search) the count lost to a separate select
 // (400 candidates: +11.5 us in the kernel against 5.1 us), so longer rows
-// are scored here without it and ranked by block_topk (rescore_topk.cu). Every thread of the CTA calls it; xch: shared
-// memory for kRankMax keys.
+// are scored here without it and ranked by block_topk (rescore_topk.cu).
+// Every thread of the CTA calls it; xch: shared memory for kRankMax keys.
 __device__ __forceinline__ void rank_rows(const FwdParams& p, int64_t lo, int64_t hi, long long* xch) {
   __shared__ int rows[1 + kStreamWarps];
   const int tid = threadIdx.x;
@@ -332,7 +332,7 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
   // grid leaves it to the exit: triggered at the start, rerank-short's
   // successor took the free slots of a partly filled GPU (H100, 32.0 ->
   // 34.5 us), triggered here still 32.2.
-  if (p.stream_waves > 1) pdl_trigger();
+  if (p.stream_multiwave) pdl_trigger();
   // Row r = 16 mt + 8 h + g: max over the quad, then to lane r.
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
@@ -471,7 +471,7 @@ void launch_stream_mt(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st
     const int64_t l2 = at::cuda::getCurrentDeviceProperties()->l2CacheSize;
     p.stream_keep = rows * p.row_bytes * 4 <= l2 * 3 ? 1 : 0;
   }
-  p.stream_waves = blocks() > (int64_t)per_sm * num_sms ? 2 : 1;
+  p.stream_multiwave = blocks() > (int64_t)per_sm * num_sms;
   launch_pdl(kern, dim3((unsigned)blocks()), dim3(kStreamWarps * 32), 0, st, p);
 }
 

@@ -107,12 +107,8 @@ at::Tensor block_topk_cuda(const at::Tensor& scores, int64_t id0, int64_t k, con
         else
           launch_select<512, false>(src, sip, R, m, id0, nchunks, chunk, kk, dst, stream);
       } else {
-        const dim3 grid((unsigned)(R * nchunks)), block(kWideThreads);
-        const int64_t* no_ids = nullptr;
-        if (keys)
-          launch_pdl(select_wide_kernel<true>, grid, block, 0, stream, src, no_ids, m, id0, (int)nchunks, (int)kk, dst);
-        else
-          launch_pdl(select_wide_kernel<false>, grid, block, 0, stream, src, sip, m, id0, (int)nchunks, (int)kk, dst);
+        launch_pdl(keys ? select_wide_kernel<true> : select_wide_kernel<false>, dim3((unsigned)(R * nchunks)),
+                   dim3(kWideThreads), 0, stream, src, sip, m, id0, (int)nchunks, (int)kk, dst);
       }
       cur = next;
       keys = true;
@@ -124,7 +120,7 @@ at::Tensor block_topk_cuda(const at::Tensor& scores, int64_t id0, int64_t k, con
   const int64_t total = s.numel();
   if (total > 0) {
     launch_pdl(encode_keys_kernel, dim3((unsigned)((total + 255) / 256)), dim3(256), 0, stream,
-               (const float*)s.data_ptr<float>(), ip, keys.data_ptr<int64_t>(), total, n, id0);
+               s.data_ptr<float>(), ip, keys.data_ptr<int64_t>(), total, n, id0);
   }
   if (kk == n) return std::get<0>(at::sort(keys, 1, /*descending=*/true));
   return std::get<0>(at::topk(keys, kk, 1, /*largest=*/true, /*sorted=*/true));
@@ -139,7 +135,7 @@ std::tuple<at::Tensor, at::Tensor> decode_keys_cuda(const at::Tensor& keys) {
   const int64_t total = k.numel();
   if (total > 0) {
     launch_pdl(decode_keys_kernel, dim3((unsigned)((total + 255) / 256)), dim3(256), 0,
-               at::cuda::getCurrentCUDAStream(), (const int64_t*)k.data_ptr<int64_t>(), s.data_ptr<float>(),
+               at::cuda::getCurrentCUDAStream(), k.data_ptr<int64_t>(), s.data_ptr<float>(),
                ids.data_ptr<int64_t>(), total);
   }
   return {s, ids};

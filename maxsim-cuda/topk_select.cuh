@@ -29,9 +29,7 @@
 
 #include <cstdint>
 
-#include "pdl.cuh"
-
-#include "common.cuh"  // cp.async wrappers
+#include "common.cuh"  // cp.async wrappers, pdl_enter
 #include "search_keys.h"
 
 namespace maxsim {

@@ -21,15 +21,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 CHILD = r"""
 import os, sys, torch
 sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
+from conftest import MAXSIM
 import test_dependent_launch as t
-torch.save({k: v.cpu() for k, v in t.pipeline(t.MAXSIM()).items()}, sys.argv[2])
+torch.save({k: v.cpu() for k, v in t.pipeline(MAXSIM).items()}, sys.argv[2])
 """
-
-
-def MAXSIM():
-    from conftest import MAXSIM as ms
-
-    return ms
 
 
 def pipeline(ms) -> dict[str, torch.Tensor]:
