@@ -68,6 +68,14 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* ptr) {
   return v;
 }
 
+// p + s, opaque to the compiler: written as `p += s`, the unrolled loop
+// below gets the U fetch addresses precomputed (p + k s) and kept live, 16-20
+// registers more, which cost the 8-bit and 256-byte kernels a CTA per SM.
+__device__ __forceinline__ const char* advance(const char* p, int64_t s) {
+  asm("add.s64 %0, %0, %1;" : "+l"(p) : "l"(s));
+  return p;
+}
+
 // The same load at the normal L2 priority: documents that fit in L2 stay
 // there for the next call (see stream_keep in launch_stream_mt).
 __device__ __forceinline__ uint4 ld_keep(const uint4* ptr) {
@@ -148,12 +156,18 @@ __device__ __forceinline__ void rank_rows(const FwdParams& p, int64_t lo, int64_
 }
 
 // KS: k steps (row bytes / 32); MT: m tiles of 16 query rows (lq <= 16 * MT);
-// RK: the fused top-k of rescore_topk (rank_rows; 16-bit tokens only).
-template <typename T, int KS, int MT, bool RK>
+// RK: the fused top-k of rescore_topk (rank_rows; 16-bit tokens only); DS:
+// 8-bit rows with one scale per document (p.d_scale_per_doc).
+template <typename T, int KS, int MT, bool RK, bool DS>
 __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const FwdParams p) {
 #if MAXSIM_STREAM_DEVICE
   pdl_wait();
   constexpr bool SC = kIsQuant<T>;
+  // int8 with one scale per document: the scale is common to a row's columns
+  // and applied after the max (as below for every 8-bit row), so the maxima
+  // are taken on the exact int32 dot products and converted once at the end
+  // -- no conversion, scaling or NaN-aware max per column.
+  constexpr bool IM = std::is_same<T, int8_t>::value && DS;
   constexpr int U = kStreamU<T, KS>;
   constexpr int W = KS / 2;  // 16-byte vectors per lane per row
   const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, warp = threadIdx.x >> 5;
@@ -179,39 +193,51 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
   const int vs = il ? 4 : 1;  // stride between a lane's vectors, in uint4
 
   float best[MT][2];
+  int best_i[IM ? MT : 1][2];  // IM: INT_MIN = no column yet
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) best[mt][0] = best[mt][1] = neg_inf();
+#pragma unroll
+  for (int mt = 0; mt < (IM ? MT : 1); ++mt) best_i[mt][0] = best_i[mt][1] = INT_MIN;
   const int ntile = ok ? (dl + 7) / 8 : 0;
   // This warp's contiguous range of the pair's tiles.
   const int tchunk = (ntile + SP - 1) / SP;
   const int tb = min(ntile, part * tchunk), te = min(ntile, tb + tchunk);
-  const char* dbase = p.d + (int64_t)ds * rb + lane_off;
   uint4 buf[U][W];
-  float2 dsc[SC ? U : 1];  // doc-token scales of columns 2c, 2c + 1 (8-bit)
+  float2 dsc[SC && !DS ? U : 1];  // doc-token scales of columns 2c, 2c + 1 (8-bit)
   // One scale per document (the caller's promise): applied to the row sum's
   // terms at the end instead of to every product, and no scale loads.
-  const bool doc_sc = SC && p.d_scale_per_doc;
+  constexpr bool doc_sc = SC && DS;
   const bool keep = p.stream_keep > 0;
-  auto fetch = [&](int t, int u) {
-    const int j = t * 8 + g;
-    if (t < te && j < dl) {
-      const uint4* src = reinterpret_cast<const uint4*>(dbase + (int64_t)j * rb);
+  // Tiles are fetched in order, so the next one's address and token index
+  // advance by a tile per fetch instead of being recomputed (64-bit
+  // products) each time; token j of the warp's range is in bounds iff
+  // j < jlim (j = 8 t + g: t < te and j < dl).
+  const int jlim = min(te * 8, dl);
+  int fj = tb * 8 + g;
+  const char* fsrc = p.d + ((int64_t)ds + fj) * rb + lane_off;
+  const float* fsc = SC && !DS ? p.d_scale + ds + tb * 8 + 2 * c : nullptr;
+  const int64_t fstep = 8 * rb;
+  auto fetch = [&](int u) {
+    if (fj < jlim) {
+      const uint4* src = reinterpret_cast<const uint4*>(fsrc);
 #pragma unroll
       for (int w = 0; w < W; ++w) buf[u][w] = keep ? ld_keep(src + w * vs) : ld_stream(src + w * vs);
     } else {
 #pragma unroll
       for (int w = 0; w < W; ++w) buf[u][w] = make_uint4(0, 0, 0, 0);
     }
-    if (SC && !doc_sc) {
+    if constexpr (SC && !DS) {
       // Columns past the document are masked below; their scale is never used.
-      const int j0 = t * 8 + 2 * c;
-      const float* sp = p.d_scale + ds + j0;
-      dsc[u].x = t < te && j0 < dl ? __ldcs(sp) : 0.f;
-      dsc[u].y = t < te && j0 + 1 < dl ? __ldcs(sp + 1) : 0.f;
+      const int j0 = fj - g + 2 * c;
+      dsc[u].x = j0 < jlim ? __ldcs(fsc) : 0.f;
+      dsc[u].y = j0 + 1 < jlim ? __ldcs(fsc + 1) : 0.f;
+      fsc += 8;
     }
+    fsrc = advance(fsrc, fstep);
+    fj += 8;
   };
 #pragma unroll
-  for (int u = 0; u < U; ++u) fetch(tb + u, u);
+  for (int u = 0; u < U; ++u) fetch(u);
 
   // The query rows: staged once per CTA in shared memory when the CTA's
   // warps share the query of its first pair (one query against many
@@ -301,7 +327,7 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
             for (int mt = 0; mt < MT; ++mt) Mma<T>::run(acc[mt], a[mt][s], b);
           }
         }
-        if constexpr (SC) {
+        if constexpr (SC && !IM) {
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -310,22 +336,45 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
               acc[mt][e] = doc_sc ? x : x * (e & 1 ? dsc[u].y : dsc[u].x);
             }
         }
-        // Columns 2c, 2c + 1 of the tile: -inf past the document or masked.
-        const int j0 = t * 8 + 2 * c;
-        bool v0 = j0 < dl, v1 = j0 + 1 < dl;
-        if (p.d_mask != nullptr) {
-          v0 = v0 && p.d_mask[(int64_t)ds + j0];
-          v1 = v1 && p.d_mask[(int64_t)ds + j0 + 1];
+        // Columns 2c, 2c + 1 of the tile fold into the row maxima unless past
+        // the document or masked. Whether the tile is whole and unmasked is
+        // the same for the warp's lanes, so only the last tile (or a masked
+        // document) pays the per-column tests.
+        auto fold = [&](bool v0, bool v1) {
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              if constexpr (IM) {
+                const int x0 = v0 ? __float_as_int(acc[mt][2 * h]) : INT_MIN;
+                const int x1 = v1 ? __float_as_int(acc[mt][2 * h + 1]) : INT_MIN;
+                best_i[mt][h] = max(best_i[mt][h], max(x0, x1));
+              } else {
+                best[mt][h] = max_nan(best[mt][h], max_nan(v0 ? acc[mt][2 * h] : neg_inf(),
+                                                           v1 ? acc[mt][2 * h + 1] : neg_inf()));
+              }
+            }
+        };
+        if (t * 8 + 8 <= dl && p.d_mask == nullptr) {
+          fold(true, true);
+        } else {
+          const int j0 = t * 8 + 2 * c;
+          bool v0 = j0 < dl, v1 = j0 + 1 < dl;
+          if (p.d_mask != nullptr) {
+            v0 = v0 && p.d_mask[(int64_t)ds + j0];
+            v1 = v1 && p.d_mask[(int64_t)ds + j0 + 1];
+          }
+          fold(v0, v1);
         }
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-            best[mt][h] = max_nan(best[mt][h],
-                                  max_nan(v0 ? acc[mt][2 * h] : neg_inf(), v1 ? acc[mt][2 * h + 1] : neg_inf()));
       }
-      fetch(t + U, u);
+      fetch(u);
     }
+  }
+  if constexpr (IM) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) best[mt][h] = best_i[mt][h] == INT_MIN ? neg_inf() : (float)best_i[mt][h];
   }
   // A grid of several waves lets the next kernel launch once every CTA is
   // past its loads (its CTAs wait in the slots the tail frees); a one-wave
@@ -419,9 +468,9 @@ void run_stream(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st);
 // rows measured no gain from any of the three (search-10k), so they keep
 // S = 1. Either way a grid of several waves ends on split pairs
 // (stream_tail).
-template <typename T, int KS, int MT, bool RK>
+template <typename T, int KS, int MT, bool RK, bool DS>
 void launch_stream_mt(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st) {
-  auto kern = stream_fwd_kernel<T, KS, MT, RK>;
+  auto kern = stream_fwd_kernel<T, KS, MT, RK, DS>;
   constexpr bool b16 = !kIsQuant<T>;
   static const int per_sm = [&] {
     int b = 0;
@@ -475,21 +524,28 @@ void launch_stream_mt(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st
   launch_pdl(kern, dim3((unsigned)blocks()), dim3(kStreamWarps * 32), 0, st, p);
 }
 
+template <typename T, int KS, bool RK, bool DS>
+void launch_stream_rows(const FwdParams& p, int64_t mean_ld, int num_sms, cudaStream_t st) {
+  if (p.lq <= 16)
+    launch_stream_mt<T, KS, 1, RK, DS>(p, mean_ld, num_sms, st);
+  else
+    launch_stream_mt<T, KS, 2, RK, DS>(p, mean_ld, num_sms, st);
+}
+
 template <typename T, int KS>
 void launch_stream(const FwdParams& p, int64_t mean_ld, int num_sms, cudaStream_t st) {
-  constexpr bool b16 = !kIsQuant<T>;
-  if (b16 && p.rank_done != nullptr) {
-    if (p.lq <= 16)
-      launch_stream_mt<T, KS, 1, b16>(p, mean_ld, num_sms, st);
+  if constexpr (!kIsQuant<T>) {
+    if (p.rank_done != nullptr)
+      launch_stream_rows<T, KS, true, false>(p, mean_ld, num_sms, st);
     else
-      launch_stream_mt<T, KS, 2, b16>(p, mean_ld, num_sms, st);
-    return;
+      launch_stream_rows<T, KS, false, false>(p, mean_ld, num_sms, st);
+  } else {
+    MAXSIM_CHECK(p.rank_done == nullptr, "maxsim: the fused top-k takes 16-bit tokens");
+    if (p.d_scale_per_doc)
+      launch_stream_rows<T, KS, false, true>(p, mean_ld, num_sms, st);
+    else
+      launch_stream_rows<T, KS, false, false>(p, mean_ld, num_sms, st);
   }
-  MAXSIM_CHECK(p.rank_done == nullptr, "maxsim: the fused top-k takes 16-bit tokens");
-  if (p.lq <= 16)
-    launch_stream_mt<T, KS, 1, false>(p, mean_ld, num_sms, st);
-  else
-    launch_stream_mt<T, KS, 2, false>(p, mean_ld, num_sms, st);
 }
 
 template <typename T>
