@@ -25,7 +25,9 @@
 // 2s -> {a0a1, a2a3}, 2s + 1 -> {a4a5, a6a7}), so every product pairs the
 // same dim of query and document. fp32 accumulation as elsewhere; row
 // maxima in registers, reduced over the quad and summed over rows with the
-// same masking rules and row-sum order as finish_tile (common.cuh).
+// same masking rules and row-sum order as finish_tile (common.cuh); int8
+// rows with one scale per document keep their maxima as exact int32 (H100
+// search at 10k documents: the scan 135 -> 131 us, session 21).
 #pragma once
 
 #include <ATen/ATen.h>
