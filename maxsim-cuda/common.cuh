@@ -96,6 +96,15 @@ struct FwdParams {
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
+// int8 with one scale per document keeps row maxima as raw s32 dot products
+// in float registers; -inf's bits (0xff800000 = -2^23 as an integer) mean
+// "no column yet" and sort below every dot product of <= 256 int8 pairs
+// (|x| <= 2^22). The maximum as fp32 (exact), -inf if no column counted.
+__device__ __forceinline__ float s32_max_value(float bits) {
+  const int b = __float_as_int(bits);
+  return b == __float_as_int(neg_inf()) ? neg_inf() : (float)b;
+}
+
 // max that propagates NaN (PTX max.NaN, sm_80+).
 __device__ __forceinline__ float max_nan(float a, float b) {
   float r;

@@ -166,9 +166,10 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
   pdl_wait();
   constexpr bool SC = kIsQuant<T>;
   // int8 with one scale per document: the scale is common to a row's columns
-  // and applied after the max (as below for every 8-bit row), so the maxima
-  // are taken on the exact int32 dot products and converted once at the end
-  // -- no conversion, scaling or NaN-aware max per column.
+  // and applied after the max (as below for every 8-bit row), so `best`
+  // carries the exact s32 dot products' maxima (s32_max_value, common.cuh),
+  // converted once after the loop -- no conversion, scaling or NaN-aware max
+  // per column.
   constexpr bool IM = std::is_same<T, int8_t>::value && DS;
   constexpr int U = kStreamU<T, KS>;
   constexpr int W = KS / 2;  // 16-byte vectors per lane per row
@@ -195,11 +196,8 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
   const int vs = il ? 4 : 1;  // stride between a lane's vectors, in uint4
 
   float best[MT][2];
-  int best_i[IM ? MT : 1][2];  // IM: INT_MIN = no column yet
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) best[mt][0] = best[mt][1] = neg_inf();
-#pragma unroll
-  for (int mt = 0; mt < (IM ? MT : 1); ++mt) best_i[mt][0] = best_i[mt][1] = INT_MIN;
   const int ntile = ok ? (dl + 7) / 8 : 0;
   // This warp's contiguous range of the pair's tiles.
   const int tchunk = (ntile + SP - 1) / SP;
@@ -348,9 +346,10 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
               if constexpr (IM) {
-                const int x0 = v0 ? __float_as_int(acc[mt][2 * h]) : INT_MIN;
-                const int x1 = v1 ? __float_as_int(acc[mt][2 * h + 1]) : INT_MIN;
-                best_i[mt][h] = max(best_i[mt][h], max(x0, x1));
+                const int none = __float_as_int(neg_inf());
+                best[mt][h] = __int_as_float(__vimax3_s32(__float_as_int(best[mt][h]),
+                                                          v0 ? __float_as_int(acc[mt][2 * h]) : none,
+                                                          v1 ? __float_as_int(acc[mt][2 * h + 1]) : none));
               } else {
                 best[mt][h] = max_nan(best[mt][h], max_nan(v0 ? acc[mt][2 * h] : neg_inf(),
                                                            v1 ? acc[mt][2 * h + 1] : neg_inf()));
@@ -376,7 +375,7 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) best[mt][h] = best_i[mt][h] == INT_MIN ? neg_inf() : (float)best_i[mt][h];
+      for (int h = 0; h < 2; ++h) best[mt][h] = s32_max_value(best[mt][h]);
   }
   // A grid of several waves lets the next kernel launch once every CTA is
   // past its loads (its CTAs wait in the slots the tail frees); a one-wave

@@ -459,10 +459,9 @@ __device__ __forceinline__ void wg_fold(const FwdParams& p, const Work& w, float
   if constexpr (kWgIntMax<T, SC>) {
     // int8 with one scale per document: the raw s32 dot products compare as
     // integers, and a 3-input integer max (VIMNMX3 on sm_90) folds two
-    // columns per instruction where the float tree takes one. -inf (bits
-    // 0xff800000 = -2^23 as an integer) sorts below every dot product of
-    // <= 256 int8 pairs (|x| <= 2^22); the row maxima become fp32 at the end
-    // of the item. Two chains per row for ILP.
+    // columns per instruction where the float tree takes one; -inf's bits
+    // mean no column, and the row maxima become fp32 at the end of the item
+    // (s32_max_value, common.cuh). Two chains per row for ILP.
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       int x0 = __float_as_int(best[h]), x1 = __float_as_int(neg_inf());
@@ -803,12 +802,9 @@ __global__ void __launch_bounds__(kWgThreads, 1)
         held_base = chunk_g;
         held_n = ntiles;
       }
-      if constexpr (kWgIntMax<T, SC>) {  // s32 maxima (or -inf bits) -> fp32, exact for |x| <= 2^22
+      if constexpr (kWgIntMax<T, SC>) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int b = __float_as_int(best[h]);
-          best[h] = b == __float_as_int(neg_inf()) ? neg_inf() : (float)b;
-        }
+        for (int h = 0; h < 2; ++h) best[h] = s32_max_value(best[h]);
       }
       // Merge the 4 lanes of a quad (same rows, different columns).
 #pragma unroll
