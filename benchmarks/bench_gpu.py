@@ -271,6 +271,8 @@ def run_train(ms, pe, only):
                 s = fn(Q, D)
                 torch.cuda.synchronize()
                 retained = (torch.cuda.memory_allocated() - base - s.numel() * s.element_size()) / 2**20
+                if retained < 0:  # the call freed memory allocated before it (a cache): not measurable this way
+                    retained = None
                 s.backward(g)
                 torch.cuda.synchronize()
                 peak = (torch.cuda.max_memory_allocated() - base) / 2**20
@@ -303,7 +305,8 @@ def run_train(ms, pe, only):
                 continue
             es = "-" if err is None else f"{err:.1e}"
             gs = "-" if tg is None else f"{tg:.4f}"
-            print(f"{name:<18} {impl:<14} {t:10.4f} {gs:>8} {retained:12.2f} {peak:9.1f} {es:>9}", flush=True)
+            rs = "-" if retained is None else f"{retained:.2f}"
+            print(f"{name:<18} {impl:<14} {t:10.4f} {gs:>8} {rs:>12} {peak:9.1f} {es:>9}", flush=True)
             rows.append(dict(workload=name, impl=impl, dtype="bf16", fwd_bwd_ms=t, fwd_bwd_graph_ms=tg,
                              retained_mib=retained, peak_mib=peak, relerr=err))
             Q = D = None
