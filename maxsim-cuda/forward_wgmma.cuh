@@ -331,56 +331,38 @@ __device__ __forceinline__ void wg_finish(const FwdParams& p, const Work& w, con
     return SC == kScDoc ? v * p.d_scale[w.ds] : v;
   };
   if (p.row_mode <= 1) {
-    // Slots in groups of four: their row sums and warp reductions interleave
-    // instead of running one dependent chain (loads, five shuffles, a store)
-    // per slot. One warp finishes every item of the CTA, and with a chain per
-    // slot it set the pace of short items (H100 allpairs-128: busy ~95 % of
-    // the kernel while the consumers waited on the next query tile). Same
-    // per-lane order and butterfly as before: the sums are unchanged.
     const int nslots = p.layout == kCrossL ? p.qpt : 1;
-    const int tt = p.tpq > 1 ? w.mt % p.tpq : 0;
-    const int64_t n0 = slot_query(p, w, 0);  // CROSS: slot k holds query n0 + k
-    for (int k0 = 0; k0 < nslots; k0 += 4) {
-      float sum[4];
-      int64_t pr[4];
-      unsigned char st[4];
-#pragma unroll
-      for (int g = 0; g < 4; ++g) {
-        const int k = k0 + g;
-        sum[g] = 0.f;
-        st[g] = k < nslots ? slot_st[k] : 0;
-        pr[g] = slot_pair(p, w, p.layout == kCrossL ? n0 + k : n0);
-        if (st[g] == 0) continue;  // warp-uniform
-        const bool ok = st[g] == 2;
-        int i0, i1, rbase;
-        if (p.tpq > 1) {
-          i0 = tt * BM;
-          i1 = min(p.lq, i0 + BM);
-          rbase = -i0;
-        } else {
-          i0 = 0;
-          i1 = p.lq;
-          rbase = k * p.lq;
-        }
-        for (int i = i0 + lane; i < i1; i += 32) {
-          int r = rbase + i;
-          bool use = ok && row_ok[r] && rb[r] != neg_inf();
-          float v = use ? rowv(r) : 0.f;
-          sum[g] += use ? v : 0.f;
-          if (ARG) store_argmax(p, pr[g] * p.lq + i, use ? ri[r] : -1);
-        }
+    const int tt = w.mt % p.tpq;
+    for (int k = 0; k < nslots; ++k) {
+      const unsigned char st = slot_st[k];
+      if (st == 0) continue;
+      const bool ok = st == 2;
+      const int64_t n = slot_query(p, w, k);
+      const int64_t pr = slot_pair(p, w, n);
+      int i0, i1, rbase;
+      if (p.tpq > 1) {
+        i0 = tt * BM;
+        i1 = min(p.lq, i0 + BM);
+        rbase = -i0;
+      } else {
+        i0 = 0;
+        i1 = p.lq;
+        rbase = k * p.lq;
       }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1)
-#pragma unroll
-        for (int g = 0; g < 4; ++g) sum[g] += __shfl_xor_sync(0xffffffffu, sum[g], o);
-#pragma unroll
-      for (int g = 0; g < 4; ++g) {
-        if (lane != g || st[g] == 0) continue;
+      float sum = 0.f;
+      for (int i = i0 + lane; i < i1; i += 32) {
+        int r = rbase + i;
+        bool use = ok && row_ok[r] && rb[r] != neg_inf();
+        float v = use ? rowv(r) : 0.f;
+        sum += use ? v : 0.f;
+        if (ARG) store_argmax(p, pr * p.lq + i, use ? ri[r] : -1);
+      }
+      sum = warp_sum(sum);
+      if (lane == 0) {
         if (p.row_mode == 0)
-          p.scores[pr[g]] = st[g] == 2 ? sum[g] : __int_as_float(0x7fc00000);
+          p.scores[pr] = ok ? sum : __int_as_float(0x7fc00000);
         else
-          p.ws_best[(int64_t)tt * p.P + pr[g]] = sum[g];
+          p.ws_best[(int64_t)tt * p.P + pr] = sum;
       }
     }
   } else {
