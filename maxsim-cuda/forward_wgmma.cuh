@@ -51,7 +51,10 @@
 //     and tables live in a ring of NR = 4.
 //   * warp 11 (finisher): the per-item epilogue, a port of finish_tile with
 //     the same row_mode / workspace conventions (so the finalize kernels of
-//     forward.cu apply unchanged), off the consumers' critical path.
+//     forward.cu apply unchanged), off the consumers' critical path. Scores
+//     of tiles holding several queries run an instantiation (MS) whose
+//     finisher resolves the query slots in interleaved groups of four: one
+//     chain per slot made this warp the pace-setter of short items.
 // Item schedule: strided over CTAs (CTAs running together share documents
 // through L2), or contiguous ranges when a doc chunk fits the stage ring: a
 // chunk then stays resident across the consecutive items (M tiles) that use
@@ -319,7 +322,8 @@ __device__ __forceinline__ void wg_slot_info(const FwdParams& p, const Work& w, 
 }
 
 // finish_tile (common.cuh) for one warp, with the slot states precomputed.
-template <int BM, bool ARG, int SC>
+// MS: tiles of several queries (CROSS, qpt >= 2), their own instantiation.
+template <int BM, bool ARG, int SC, bool MS>
 __device__ __forceinline__ void wg_finish(const FwdParams& p, const Work& w, const float* rb, const int* ri,
                                           const unsigned char* row_ok, const unsigned char* slot_st, int lane,
                                           const long long* rsrc) {
@@ -330,7 +334,60 @@ __device__ __forceinline__ void wg_finish(const FwdParams& p, const Work& w, con
     const float v = rb[r] * p.q_scale[rsrc[r]];
     return SC == kScDoc ? v * p.d_scale[w.ds] : v;
   };
-  if (p.row_mode <= 1) {
+  if (MS && p.row_mode <= 1) {
+    // Slots in groups of four: their row sums and warp reductions interleave
+    // instead of running one dependent chain (loads, five shuffles, a store)
+    // per slot. One warp finishes every item of the CTA, and with a chain per
+    // slot it set the pace of short items (H100 allpairs-128: busy ~95 % of
+    // the kernel while the consumers waited on the next query tile). Same
+    // per-lane order and butterfly as before: the sums are unchanged.
+    const int nslots = p.layout == kCrossL ? p.qpt : 1;
+    const int tt = p.tpq > 1 ? w.mt % p.tpq : 0;
+    const int64_t n0 = slot_query(p, w, 0);  // CROSS: slot k holds query n0 + k
+    for (int k0 = 0; k0 < nslots; k0 += 4) {
+      float sum[4];
+      int64_t pr[4];
+      unsigned char st[4];
+#pragma unroll
+      for (int g = 0; g < 4; ++g) {
+        const int k = k0 + g;
+        sum[g] = 0.f;
+        st[g] = k < nslots ? slot_st[k] : 0;
+        pr[g] = slot_pair(p, w, p.layout == kCrossL ? n0 + k : n0);
+        if (st[g] == 0) continue;  // warp-uniform
+        const bool ok = st[g] == 2;
+        int i0, i1, rbase;
+        if (p.tpq > 1) {
+          i0 = tt * BM;
+          i1 = min(p.lq, i0 + BM);
+          rbase = -i0;
+        } else {
+          i0 = 0;
+          i1 = p.lq;
+          rbase = k * p.lq;
+        }
+        for (int i = i0 + lane; i < i1; i += 32) {
+          int r = rbase + i;
+          bool use = ok && row_ok[r] && rb[r] != neg_inf();
+          float v = use ? rowv(r) : 0.f;
+          sum[g] += use ? v : 0.f;
+          if (ARG) store_argmax(p, pr[g] * p.lq + i, use ? ri[r] : -1);
+        }
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+        for (int g = 0; g < 4; ++g) sum[g] += __shfl_xor_sync(0xffffffffu, sum[g], o);
+#pragma unroll
+      for (int g = 0; g < 4; ++g) {
+        if (lane != g || st[g] == 0) continue;
+        if (p.row_mode == 0)
+          p.scores[pr[g]] = st[g] == 2 ? sum[g] : __int_as_float(0x7fc00000);
+        else
+          p.ws_best[(int64_t)tt * p.P + pr[g]] = sum[g];
+      }
+    }
+  } else if (p.row_mode <= 1) {
     const int nslots = p.layout == kCrossL ? p.qpt : 1;
     const int tt = w.mt % p.tpq;
     for (int k = 0; k < nslots; ++k) {
@@ -532,7 +589,7 @@ __device__ __forceinline__ void wg_tile(const FwdParams& p, const Work& w, float
 }
 #endif  // MAXSIM_WG_DEVICE
 
-template <typename T, int NKB, bool ARG, int SC>
+template <typename T, int NKB, bool ARG, int SC, bool MS = false>
 __global__ void __launch_bounds__(kWgThreads, 1)
     wg_fwd_kernel(const __grid_constant__ CUtensorMap tmap, const __grid_constant__ CUtensorMap smap,
                   const __grid_constant__ CUtensorMap qmap, const FwdParams p, int64_t item0, int64_t nitems,
@@ -740,7 +797,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
         const int b = (int)(it % NR);
         mbar_wait(bar_rfull + 8u * b, (it / NR) & 1u);
         const Work w = work_s[b];
-        wg_finish<BM, ARG, SC>(p, w, rbest[b], ridx[ARG ? b : 0], row_ok[b], slot_st[b], lane, row_src[b]);
+        wg_finish<BM, ARG, SC, MS>(p, w, rbest[b], ridx[ARG ? b : 0], row_ok[b], slot_st[b], lane, row_src[b]);
         __syncwarp();
         mbar_arrive(bar_free + 8u * b);
       }
@@ -875,7 +932,7 @@ inline bool wgmma_shape_ok(const FwdParams& p, int64_t dim, int64_t esz) {
   return wg_encode_fn() != nullptr;
 }
 
-template <typename T, int NKB, bool ARG, int SC>
+template <typename T, int NKB, bool ARG, int SC, bool MS = false>
 inline bool wg_kernel_ready() {
   // Per device: raise the dynamic shared-memory limit once and check that the
   // kernel was compiled with its sm_90a body (an empty stub otherwise: no
@@ -886,9 +943,9 @@ inline bool wg_kernel_ready() {
   if (dev >= 64) return false;
   if (state[dev] == 0) {
     cudaFuncAttributes attr{};
-    bool ok = cudaFuncGetAttributes(&attr, wg_fwd_kernel<T, NKB, ARG, SC>) == cudaSuccess && attr.sharedSizeBytes > 0;
+    bool ok = cudaFuncGetAttributes(&attr, wg_fwd_kernel<T, NKB, ARG, SC, MS>) == cudaSuccess && attr.sharedSizeBytes > 0;
     if (ok)
-      ok = cudaFuncSetAttribute(wg_fwd_kernel<T, NKB, ARG, SC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+      ok = cudaFuncSetAttribute(wg_fwd_kernel<T, NKB, ARG, SC, MS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                 WgCfg<NKB>::SMEM) == cudaSuccess;
     if (!ok) (void)cudaGetLastError();
     state[dev] = ok ? 1 : -1;
@@ -975,6 +1032,11 @@ inline void launch_wgmma(bool arg, const FwdParams& p, int64_t dim, int64_t item
                   : 0;
   if (wg_forced_flags() >= 0) flags = wg_forced_flags();
   TORCH_CHECK((wgmma_available<T, SC>(dim, arg)), "maxsim: wgmma kernel unavailable");
+  // Scores of tiles of several queries finish in their own instantiation
+  // (slots in groups, wg_finish): in the shared one the grouped finisher cost
+  // the one-query-per-tile rows (colpali-10k) ~3 % and the argmax forwards
+  // up to ~1 % (H100, perf notes session 22). 16-bit tokens only.
+  const bool multi = SC == kScNone && !q8 && !arg && p.layout == kCrossL && p.qpt >= 2 && p.row_mode == 0;
   const auto go = [&](auto kern, int smem) {
     launch_pdl(kern, dim3(grid), dim3(kWgThreads), (size_t)smem, stream, map, smap, qmap, p, item0, nitems, flags);
   };
@@ -991,12 +1053,16 @@ inline void launch_wgmma(bool arg, const FwdParams& p, int64_t dim, int64_t item
       int_max = !arg && p.d_scale_per_doc && wg_kernel_ready<T, 1, false, kScDoc>();
     if (int_max)
       go(wg_fwd_kernel<T, 1, false, kScDoc>, WgCfg<1>::SMEM);
+    else if (multi && wg_kernel_ready<T, 1, false, SC, true>())
+      go(wg_fwd_kernel<T, 1, false, SC, true>, WgCfg<1>::SMEM);
     else if (arg)
       go(wg_fwd_kernel<T, 1, true, SC>, WgCfg<1>::SMEM);
     else
       go(wg_fwd_kernel<T, 1, false, SC>, WgCfg<1>::SMEM);
   } else {
-    if (arg)
+    if (multi && wg_kernel_ready<T, 2, false, SC, true>())
+      go(wg_fwd_kernel<T, 2, false, SC, true>, WgCfg<2>::SMEM);
+    else if (arg)
       go(wg_fwd_kernel<T, 2, true, SC>, WgCfg<2>::SMEM);
     else
       go(wg_fwd_kernel<T, 2, false, SC>, WgCfg<2>::SMEM);
