@@ -248,6 +248,20 @@ __device__ __forceinline__ void tile_row(const FwdParams& p, int BM, int mt, int
   }
 }
 
+// Rows of slot k's query held by M tile t (t = mt % tpq) of BM rows: query
+// rows i in [i0, i1), at tile row rbase + i.
+__device__ __forceinline__ void slot_rows(const FwdParams& p, int BM, int t, int k, int& i0, int& i1, int& rbase) {
+  if (p.tpq > 1) {
+    i0 = t * BM;
+    i1 = min(p.lq, i0 + BM);
+    rbase = -i0;
+  } else {
+    i0 = 0;
+    i1 = p.lq;
+    rbase = k * p.lq;
+  }
+}
+
 // Fills the row table of the CTA: global query row to load (-1: zero) and
 // whether the row counts (valid query, i < q_len, not masked).
 template <int BM, int NTH>
@@ -308,17 +322,8 @@ __device__ __forceinline__ void finish_tile(const FwdParams& p, const Work& w, c
       int qs, ql;
       bool ok = query_ok(p, n, qs, ql) && w.dvalid;
       int64_t pr = slot_pair(p, w, n);
-      // Rows of this slot held by this tile: i in [i0, i1), tile row r = rbase + i.
       int i0, i1, rbase;
-      if (p.tpq > 1) {
-        i0 = t * BM;
-        i1 = min(p.lq, i0 + BM);
-        rbase = -i0;
-      } else {
-        i0 = 0;
-        i1 = p.lq;
-        rbase = k * p.lq;
-      }
+      slot_rows(p, BM, t, k, i0, i1, rbase);
       float sum = 0.f;
       for (int i = i0 + lane; i < i1; i += 32) {
         int r = rbase + i;

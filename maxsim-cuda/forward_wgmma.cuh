@@ -357,15 +357,7 @@ __device__ __forceinline__ void wg_finish(const FwdParams& p, const Work& w, con
         if (st[g] == 0) continue;  // warp-uniform
         const bool ok = st[g] == 2;
         int i0, i1, rbase;
-        if (p.tpq > 1) {
-          i0 = tt * BM;
-          i1 = min(p.lq, i0 + BM);
-          rbase = -i0;
-        } else {
-          i0 = 0;
-          i1 = p.lq;
-          rbase = k * p.lq;
-        }
+        slot_rows(p, BM, tt, k, i0, i1, rbase);
         for (int i = i0 + lane; i < i1; i += 32) {
           int r = rbase + i;
           bool use = ok && row_ok[r] && rb[r] != neg_inf();
@@ -397,15 +389,7 @@ __device__ __forceinline__ void wg_finish(const FwdParams& p, const Work& w, con
       const int64_t n = slot_query(p, w, k);
       const int64_t pr = slot_pair(p, w, n);
       int i0, i1, rbase;
-      if (p.tpq > 1) {
-        i0 = tt * BM;
-        i1 = min(p.lq, i0 + BM);
-        rbase = -i0;
-      } else {
-        i0 = 0;
-        i1 = p.lq;
-        rbase = k * p.lq;
-      }
+      slot_rows(p, BM, tt, k, i0, i1, rbase);
       float sum = 0.f;
       for (int i = i0 + lane; i < i1; i += 32) {
         int r = rbase + i;
