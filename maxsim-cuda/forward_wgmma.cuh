@@ -340,7 +340,8 @@ __device__ __forceinline__ void wg_finish(const FwdParams& p, const Work& w, con
     // per slot. One warp finishes every item of the CTA, and with a chain per
     // slot it set the pace of short items (H100 allpairs-128: busy ~95 % of
     // the kernel while the consumers waited on the next query tile). Same
-    // per-lane order and butterfly as before: the sums are unchanged.
+    // per-lane order and butterfly as the one-chain form below: the sums
+    // are bitwise those of the other instantiations.
     const int nslots = p.layout == kCrossL ? p.qpt : 1;
     const int tt = p.tpq > 1 ? w.mt % p.tpq : 0;
     const int64_t n0 = slot_query(p, w, 0);  // CROSS: slot k holds query n0 + k
