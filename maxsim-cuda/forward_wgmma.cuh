@@ -1017,11 +1017,15 @@ inline void launch_wgmma(bool arg, const FwdParams& p, int64_t dim, int64_t item
                   : 0;
   if (wg_forced_flags() >= 0) flags = wg_forced_flags();
   TORCH_CHECK((wgmma_available<T, SC>(dim, arg)), "maxsim: wgmma kernel unavailable");
-  // Scores of tiles of several queries finish in their own instantiation
-  // (slots in groups, wg_finish): in the shared one the grouped finisher cost
-  // the one-query-per-tile rows (colpali-10k) ~3 % and the argmax forwards
-  // up to ~1 % (H100, perf notes session 22). 16-bit tokens only.
-  const bool multi = SC == kScNone && !q8 && !arg && p.layout == kCrossL && p.qpt >= 2 && p.row_mode == 0;
+  // Tiles of several queries finish in their own instantiation (slots in
+  // groups, wg_finish): in the shared one the grouped finisher cost the
+  // one-query-per-tile rows (colpali-10k) ~3 % (H100, perf notes session 22).
+  // With argmax only items of one doc tile take it: longer items are paced by
+  // the consumers' argmax fold, and train-128's forward read ~1 % slower with
+  // it (BigBatch forward with argmax 0.0298 -> 0.0257 ms, session 23).
+  // 16-bit tokens only.
+  const bool multi = SC == kScNone && !q8 && (!arg || avg_chunk <= kWgBN) && p.layout == kCrossL && p.qpt >= 2 &&
+                     p.row_mode == 0;
   const auto go = [&](auto kern, int smem) {
     launch_pdl(kern, dim3(grid), dim3(kWgThreads), (size_t)smem, stream, map, smap, qmap, p, item0, nitems, flags);
   };
@@ -1038,15 +1042,19 @@ inline void launch_wgmma(bool arg, const FwdParams& p, int64_t dim, int64_t item
       int_max = !arg && p.d_scale_per_doc && wg_kernel_ready<T, 1, false, kScDoc>();
     if (int_max)
       go(wg_fwd_kernel<T, 1, false, kScDoc>, WgCfg<1>::SMEM);
-    else if (multi && wg_kernel_ready<T, 1, false, SC, true>())
+    else if (multi && !arg && wg_kernel_ready<T, 1, false, SC, true>())
       go(wg_fwd_kernel<T, 1, false, SC, true>, WgCfg<1>::SMEM);
+    else if (multi && arg && wg_kernel_ready<T, 1, true, SC, true>())
+      go(wg_fwd_kernel<T, 1, true, SC, true>, WgCfg<1>::SMEM);
     else if (arg)
       go(wg_fwd_kernel<T, 1, true, SC>, WgCfg<1>::SMEM);
     else
       go(wg_fwd_kernel<T, 1, false, SC>, WgCfg<1>::SMEM);
   } else {
-    if (multi && wg_kernel_ready<T, 2, false, SC, true>())
+    if (multi && !arg && wg_kernel_ready<T, 2, false, SC, true>())
       go(wg_fwd_kernel<T, 2, false, SC, true>, WgCfg<2>::SMEM);
+    else if (multi && arg && wg_kernel_ready<T, 2, true, SC, true>())
+      go(wg_fwd_kernel<T, 2, true, SC, true>, WgCfg<2>::SMEM);
     else if (arg)
       go(wg_fwd_kernel<T, 2, true, SC>, WgCfg<2>::SMEM);
     else
