@@ -59,6 +59,32 @@ def test_candidates_padded(ms, device, dtype, shape):
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_contrastive(ms, device, dtype, shape):
+    _contrastive_case(ms, device, dtype, shape)
+
+
+# Short queries against many documents: on Hopper a 128-row tile holds
+# several queries, which finish in their own kernel (scores, and argmax when
+# the documents fit one doc tile); short and long documents, ragged lengths.
+SEVERAL_PER_TILE = [(37, 23, 1, 77, 128), (20, 9, 7, 129, 64), (37, 23, 32, 80, 128), (11, 13, 33, 128, 96),
+                    (9, 7, 64, 300, 128), (40, 6, 16, 1, 32)]
+
+
+@pytest.mark.parametrize("shape", SEVERAL_PER_TILE, ids=lambda s: "x".join(map(str, s)))
+def test_contrastive_several_queries_per_tile(ms, device, dtype, shape):
+    _contrastive_case(ms, device, dtype, shape)
+    Nq, Nb, Lq, Ld, dim = shape
+    g = torch.Generator().manual_seed(3 + Lq)
+    Q = rand(Nq, Lq, dim, dtype=dtype, device=device, gen=g)
+    D = rand(Nb, Ld, dim, dtype=dtype, device=device, gen=g)
+    qm = torch.rand(Nq, Lq, generator=g) > 0.2
+    dm = torch.rand(Nb, Ld, generator=g) > 0.1
+    ref = ms.maxsim_reference(Q.cpu(), D.cpu(), qm, dm)
+    out = ms.maxsim(Q, D, qm.to(device), dm.to(device))
+    assert out.shape == (Nq, Nb)
+    assert_close(out, ref, dtype)
+
+
+def _contrastive_case(ms, device, dtype, shape):
     Nq, Nb, Lq, Ld, dim = shape
     g = torch.Generator().manual_seed(7 + Lq)
     Q = rand(Nq, Lq, dim, dtype=dtype, device=device, gen=g)
