@@ -47,8 +47,8 @@ def gpu_tables(path: Path) -> str:
     by = {(r["workload"], r["impl"]): r for r in rows}
     out = [f"**{m['gpu']}**, torch {m['torch']}, {m['date']}, commit `{m.get('commit', '')}`; measured "
            f"copy bandwidth {m['copy_tb_s']:.2f} TB/s, bf16 matmul {m['matmul_tflop_s']:.0f} TFLOP/s. bf16, d = 128.",
-           "", "Forward, ms (median of `triton.testing.do_bench`, L2 flushed before each call, Python "
-           "overhead included) / device time from a CUDA graph of 20 calls. floor = max(bytes / copy "
+           "", "Forward, ms (median of five `triton.testing.do_bench` readings, L2 flushed before each call, "
+           "Python overhead included) / device time from a CUDA graph of 20 calls. floor = max(bytes / copy "
            "bandwidth, FLOPs / matmul rate); copy = a device copy of the same bytes timed the same two ways "
            "(the byte floor as this harness measures it):", "",
            "| workload | goal | floor | copy | " + " | ".join(IMPLS) + " |",
@@ -61,7 +61,8 @@ def gpu_tables(path: Path) -> str:
         out.append(f"| {w} | {fmt(GOALS.get(w))} | {fmt(r.get('floor_ms'))} | {cp} | " + " | ".join(cells) + " |")
     train = [w for w in dict.fromkeys(r["workload"] for r in rows) if "fwd_bwd_ms" in by.get((w, "maxsim"), {})]
     if train:
-        out += ["", "Training (forward + `scores.backward(g)`), ms eager / device time from a CUDA graph; "
+        out += ["", "Training (forward + `scores.backward(g)`), ms eager (median of five do_bench readings; steps "
+                "whose host time exceeds their GPU time measure the lent host's CPU) / device time from a CUDA graph; "
                 "retained = memory held between forward and backward (MiB):", "",
                 "| workload | goal | " + " | ".join(IMPLS) + " | retained maxsim / best peer |",
                 "|---|---|" + "---|" * len(IMPLS) + "---|"]
