@@ -74,8 +74,9 @@ struct FwdParams {
   // the last stream_tail pairs split over 4 warps, one pair per CTA after
   // the first stream_head_blocks CTAs (< 0: the launcher's heuristic);
   // stream_keep: plain document loads that leave them in L2 (> 0) or
-  // evict-first streamed loads (0); stream_multiwave: the grid runs in
-  // more than one wave (set by the launcher).
+  // evict-first streamed loads (0); the launcher turns it into the number
+  // of leading CTAs that load plainly (INT32_MAX: all). stream_multiwave:
+  // the grid runs in more than one wave (set by the launcher).
   int stream_split, stream_il, stream_qsm, stream_keep, stream_multiwave;
   int64_t stream_tail, stream_head_blocks;
   // Outputs.

@@ -207,7 +207,7 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
   // One scale per document (the caller's promise): applied to the row sum's
   // terms at the end instead of to every product, and no scale loads.
   constexpr bool doc_sc = SC && DS;
-  const bool keep = p.stream_keep > 0;
+  const bool keep = (int)blockIdx.x < p.stream_keep;
   // Tiles are fetched in order, so the next one's address and token index
   // advance by a tile per fetch instead of being recomputed (64-bit
   // products) each time; token j of the warp's range is in bounds iff
@@ -522,6 +522,16 @@ void launch_stream_mt(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st
     p.stream_keep = rows * p.row_bytes * 4 <= l2 * 3 ? 1 : 0;
   }
   p.stream_multiwave = blocks() > (int64_t)per_sm * num_sms;
+  // A dirty L2 (another kernel's writes just before) costs an evict-first
+  // scan ~8 % of its time: the dirty lines leave while it runs (H100,
+  // corpus-10k after a 256 MB memset 275 us against 256 after a read),
+  // where plain loads write them back up front for a fixed ~8 us but lose
+  // 1-2 % on a clean L2. So scans of >= 4 waves load their first wave
+  // plainly (session 23, H100: after a memset corpus-10k 273.3 -> 267.5 us,
+  // 30k documents 768.7 -> 754.1; back to back +0.3 %; 2-wave grids lost
+  // 4 % and keep evict-first). Measured for 16-bit rows only.
+  const int64_t wave = (int64_t)per_sm * num_sms;
+  p.stream_keep = p.stream_keep > 0 ? INT32_MAX : b16 && blocks() >= 4 * wave ? (int)wave : 0;
   launch_pdl(kern, dim3((unsigned)blocks()), dim3(kStreamWarps * 32), 0, st, p);
 }
 
