@@ -1022,7 +1022,7 @@ inline void launch_wgmma(bool arg, const FwdParams& p, int64_t dim, int64_t item
   // one-query-per-tile rows (colpali-10k) ~3 % (H100, perf notes session 22).
   // With argmax only items of one doc tile take it: longer items are paced by
   // the consumers' argmax fold, and train-128's forward read ~1 % slower with
-  // it (BigBatch forward with argmax 0.0298 -> 0.0257 ms, session 23).
+  // it (BigBatch forward with argmax 0.0298 -> 0.0260 ms, session 23).
   // 16-bit tokens only.
   const bool multi = SC == kScNone && !q8 && (!arg || avg_chunk <= kWgBN) && p.layout == kCrossL && p.qpt >= 2 &&
                      p.row_mode == 0;
