@@ -521,7 +521,8 @@ void launch_stream_mt(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st
     const int64_t l2 = at::cuda::getCurrentDeviceProperties()->l2CacheSize;
     p.stream_keep = rows * p.row_bytes * 4 <= l2 * 3 ? 1 : 0;
   }
-  p.stream_multiwave = blocks() > (int64_t)per_sm * num_sms;
+  const int64_t wave = (int64_t)per_sm * num_sms;
+  p.stream_multiwave = blocks() > wave;
   // A dirty L2 (another kernel's writes just before) costs an evict-first
   // scan ~8 % of its time: the dirty lines leave while it runs (H100,
   // corpus-10k after a 256 MB memset 275 us against 256 after a read),
@@ -530,7 +531,6 @@ void launch_stream_mt(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st
   // plainly (session 23, H100: after a memset corpus-10k 273.3 -> 267.5 us,
   // 30k documents 768.7 -> 754.1; back to back +0.3 %; 2-wave grids lost
   // 4 % and keep evict-first). Measured for 16-bit rows only.
-  const int64_t wave = (int64_t)per_sm * num_sms;
   p.stream_keep = p.stream_keep > 0 ? INT32_MAX : b16 && blocks() >= 4 * wave ? (int)wave : 0;
   launch_pdl(kern, dim3((unsigned)blocks()), dim3(kStreamWarps * 32), 0, st, p);
 }

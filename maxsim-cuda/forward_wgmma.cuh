@@ -1029,6 +1029,14 @@ inline void launch_wgmma(bool arg, const FwdParams& p, int64_t dim, int64_t item
   const auto go = [&](auto kern, int smem) {
     launch_pdl(kern, dim3(grid), dim3(kWgThreads), (size_t)smem, stream, map, smap, qmap, p, item0, nitems, flags);
   };
+  // The kernel for N 128-byte k blocks: MS when it applies and is ready, with or without argmax.
+  const auto go_n = [&](auto n) {
+    constexpr int N = decltype(n)::value;
+    if (multi && (arg ? wg_kernel_ready<T, N, true, SC, true>() : wg_kernel_ready<T, N, false, SC, true>()))
+      go(arg ? wg_fwd_kernel<T, N, true, SC, true> : wg_fwd_kernel<T, N, false, SC, true>, WgCfg<N>::SMEM);
+    else
+      go(arg ? wg_fwd_kernel<T, N, true, SC> : wg_fwd_kernel<T, N, false, SC>, WgCfg<N>::SMEM);
+  };
   if constexpr (kWgRowsOf128Only<T>) {
     if (p.d_scale_per_doc) {
       TORCH_CHECK((wg_kernel_ready<T, 1, false, kScDoc>()), "maxsim: wgmma kernel unavailable");
@@ -1042,23 +1050,10 @@ inline void launch_wgmma(bool arg, const FwdParams& p, int64_t dim, int64_t item
       int_max = !arg && p.d_scale_per_doc && wg_kernel_ready<T, 1, false, kScDoc>();
     if (int_max)
       go(wg_fwd_kernel<T, 1, false, kScDoc>, WgCfg<1>::SMEM);
-    else if (multi && !arg && wg_kernel_ready<T, 1, false, SC, true>())
-      go(wg_fwd_kernel<T, 1, false, SC, true>, WgCfg<1>::SMEM);
-    else if (multi && arg && wg_kernel_ready<T, 1, true, SC, true>())
-      go(wg_fwd_kernel<T, 1, true, SC, true>, WgCfg<1>::SMEM);
-    else if (arg)
-      go(wg_fwd_kernel<T, 1, true, SC>, WgCfg<1>::SMEM);
     else
-      go(wg_fwd_kernel<T, 1, false, SC>, WgCfg<1>::SMEM);
+      go_n(std::integral_constant<int, 1>{});
   } else {
-    if (multi && !arg && wg_kernel_ready<T, 2, false, SC, true>())
-      go(wg_fwd_kernel<T, 2, false, SC, true>, WgCfg<2>::SMEM);
-    else if (multi && arg && wg_kernel_ready<T, 2, true, SC, true>())
-      go(wg_fwd_kernel<T, 2, true, SC, true>, WgCfg<2>::SMEM);
-    else if (arg)
-      go(wg_fwd_kernel<T, 2, true, SC>, WgCfg<2>::SMEM);
-    else
-      go(wg_fwd_kernel<T, 2, false, SC>, WgCfg<2>::SMEM);
+    go_n(std::integral_constant<int, 2>{});
   }
 }
 
