@@ -8,9 +8,11 @@
 // takes it for CROSS with one query and for 16-bit GROUPED candidates and
 // LIST pairs (measured, see forward.cu).
 //
-// One warp per pair, or S = 2 / 4 warps per pair each taking a contiguous
-// range of the document's tiles (row maxima combined through shared memory;
-// max is order-free, so every S gives the same bits); a grid of several
+// One warp per pair, or S = 2 / 4 warps per pair each taking every S-th of
+// the document's tiles, so the pair's warps read adjacent tiles at once
+// (H100, against contiguous ranges: rerank-long -1 %, 10k documents of 180
+// tokens -0.6 %, the rest level; session 24; row maxima combined through
+// shared memory; max is order-free, so every S gives the same bits); a grid of several
 // waves takes its last pairs at S = 4, one per CTA, so it ends on short
 // tasks. The query's A
 // fragments stay in registers; document tokens are loaded straight into B
@@ -191,7 +193,7 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
   const int64_t rb = p.row_bytes;
   // Interleaved: in load w, the quad's four lanes read 64 contiguous bytes
   // (vector 4w + c), so every 32-byte sector of a request is whole.
-  const bool il = p.stream_il != 0;
+  const bool il = (p.stream_il & 1) != 0;
   const int lane_off = il ? c * 16 : c * W * 16;
   const int vs = il ? 4 : 1;  // stride between a lane's vectors, in uint4
 
@@ -199,9 +201,13 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) best[mt][0] = best[mt][1] = neg_inf();
   const int ntile = ok ? (dl + 7) / 8 : 0;
-  // This warp's contiguous range of the pair's tiles.
+  // This warp's tiles of the pair: a contiguous range, or (stream_il bit 1)
+  // every SP-th tile from tile `part`, so the pair's warps read adjacent
+  // tiles at any moment.
+  const bool ilv = (p.stream_il & 2) != 0 && SP > 1;
   const int tchunk = (ntile + SP - 1) / SP;
-  const int tb = min(ntile, part * tchunk), te = min(ntile, tb + tchunk);
+  const int tb = ilv ? part : min(ntile, part * tchunk), te = ilv ? ntile : min(ntile, tb + tchunk);
+  const int ts = ilv ? SP : 1;
   uint4 buf[U][W];
   float2 dsc[SC && !DS ? U : 1];  // doc-token scales of columns 2c, 2c + 1 (8-bit)
   // One scale per document (the caller's promise): applied to the row sum's
@@ -212,11 +218,11 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
   // advance by a tile per fetch instead of being recomputed (64-bit
   // products) each time; token j of the warp's range is in bounds iff
   // j < jlim (j = 8 t + g: t < te and j < dl).
-  const int jlim = min(te * 8, dl);
+  const int jlim = ilv ? dl : min(te * 8, dl);
   int fj = tb * 8 + g;
   const char* fsrc = p.d + ((int64_t)ds + fj) * rb + lane_off;
   const float* fsc = SC && !DS ? p.d_scale + ds + tb * 8 + 2 * c : nullptr;
-  const int64_t fstep = 8 * rb;
+  const int64_t fstep = 8 * ts * rb;
   auto fetch = [&](int u) {
     if (fj < jlim) {
       const uint4* src = reinterpret_cast<const uint4*>(fsrc);
@@ -231,10 +237,10 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
       const int j0 = fj - g + 2 * c;
       dsc[u].x = j0 < jlim ? __ldcs(fsc) : 0.f;
       dsc[u].y = j0 + 1 < jlim ? __ldcs(fsc + 1) : 0.f;
-      fsc += 8;
+      fsc += 8 * ts;
     }
     fsrc = advance(fsrc, fstep);
-    fj += 8;
+    fj += 8 * ts;
   };
 #pragma unroll
   for (int u = 0; u < U; ++u) fetch(u);
@@ -304,10 +310,10 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
         }
   }
 
-  for (int t0 = tb; t0 < te; t0 += U) {
+  for (int t0 = tb; t0 < te; t0 += U * ts) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int t = t0 + u;
+      const int t = t0 + u * ts;
       if (t < te) {
         float acc[MT][4];
 #pragma unroll
@@ -509,9 +515,10 @@ void launch_stream_mt(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st
     p.stream_tail = 0;
   }
   MAXSIM_CHECK(blocks() <= INT32_MAX, "maxsim: too many pairs (%lld) for one launch", (long long)p.P);
-  if (p.stream_il < 0) p.stream_il = b16 ? 1 : 0;
+  if (p.stream_il < 0) p.stream_il = b16 ? 3 : 0;  // 16-bit: whole-sector lanes, interleaved tiles
   if (p.stream_qsm < 0) p.stream_qsm = p.stream_split >= 4 ? 1 : 0;
-  if (p.stream_keep < 0) {
+  const bool auto_keep = p.stream_keep < 0;
+  if (auto_keep) {
     // Documents read once per call are streamed evict-first, unless they
     // fit well inside L2: then plain loads keep them for the next call
     // (H100, same inputs scored again: 400 documents of 300 tokens, 31 MB,
@@ -530,8 +537,11 @@ void launch_stream_mt(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st
   // 1-2 % on a clean L2. So scans of >= 4 waves load their first wave
   // plainly (session 23, H100: after a memset corpus-10k 273.3 -> 267.5 us,
   // 30k documents 768.7 -> 754.1; back to back +0.3 %; 2-wave grids lost
-  // 4 % and keep evict-first). Measured for 16-bit rows only.
-  p.stream_keep = p.stream_keep > 0 ? INT32_MAX : b16 && blocks() >= 4 * wave ? (int)wave : 0;
+  // 4 % and keep evict-first). The plain wave's up-front write-back is a
+  // fixed cost, so shorter scans lose by it: from 12 waves on (session 24,
+  // after a memset: 5.5 waves -6 %, 9.6 waves -1.3 %, 7.3 / 9.1 level,
+  // 13.6-38 waves +1.8-2.5 %). Measured for 16-bit rows only.
+  p.stream_keep = p.stream_keep > 0 ? INT32_MAX : auto_keep && b16 && blocks() >= 12 * wave ? (int)wave : 0;
   launch_pdl(kern, dim3((unsigned)blocks()), dim3(kStreamWarps * 32), 0, st, p);
 }
 

@@ -400,12 +400,12 @@ def test_one_query_many_documents(ms, device, dtype, dim):
 
 
 def test_scan_of_many_waves(ms, device, dtype):
-    """One query against 8000 short documents: on an H100 the CUDA streaming
-    grid runs >= 4 waves, whose first wave loads plainly and the rest
-    evict-first; ragged packed lengths (empty documents included) and a
+    """One query against 40000 short documents: on an H100 the CUDA streaming
+    grid runs >= 12 waves, whose first wave loads plainly (16-bit) and the
+    rest evict-first; ragged packed lengths (empty documents included) and a
     masked padded copy."""
     g = torch.Generator().manual_seed(23)
-    nd, ld, lq, dim = 8000, 20, 8, 64
+    nd, ld, lq, dim = 40000, 12, 8, 64
     dlens = torch.randint(0, ld + 1, (nd,), generator=g)
     doff = torch.cat([torch.zeros(1, dtype=torch.long), dlens.cumsum(0)])
     Q = rand(1, lq, dim, dtype=dtype, device=device, gen=g)
@@ -423,12 +423,12 @@ def test_scan_of_many_waves(ms, device, dtype):
 @pytest.mark.parametrize("case", ["one-query-long", "grouped-2", "grouped-4"])
 def test_streaming_split_pairs(ms, device, case):
     """Shapes where the CUDA streaming kernel splits each pair over 2 or 4
-    warps (tile ranges, row maxima combined in shared memory; H100
-    heuristic): one query against long documents (fits one wave: S = 4),
-    and per-query candidates in several waves (S = 2 for ~25 tiles of 8
-    tokens, S = 4 for ~50). Ragged lengths and mask holes put a document's
-    end inside any warp's range or before it (empty ranges); a NaN token in
-    a late range must reach the score; 16-bit, lq 17 / 32 (two m tiles,
+    warps (every S-th tile of 8 tokens each, row maxima combined in shared
+    memory; H100 heuristic): one query against long documents (fits one
+    wave: S = 4), and per-query candidates in several waves (S = 2 for ~25
+    tiles, S = 4 for ~50). Ragged lengths and mask holes put a document's
+    end in any warp's tile or leave a warp no tile; a NaN token in a late
+    tile must reach the score; 16-bit, lq 17 / 32 (two m tiles,
     the second partial)."""
     if device != "cuda":
         pytest.skip("CUDA heuristic shapes (the CPU kernel is covered elsewhere)")
