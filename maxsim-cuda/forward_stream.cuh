@@ -534,11 +534,11 @@ void launch_stream_mt(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st
   // scan ~8 % of its time: the dirty lines leave while it runs (H100,
   // corpus-10k after a 256 MB memset 275 us against 256 after a read),
   // where plain loads write them back up front for a fixed ~8 us but lose
-  // 1-2 % on a clean L2. So scans of >= 4 waves load their first wave
-  // plainly (session 23, H100: after a memset corpus-10k 273.3 -> 267.5 us,
-  // 30k documents 768.7 -> 754.1; back to back +0.3 %; 2-wave grids lost
-  // 4 % and keep evict-first). The plain wave's up-front write-back is a
-  // fixed cost, so shorter scans lose by it: from 12 waves on (session 24,
+  // 1-2 % on a clean L2. So long scans load their first wave plainly
+  // (session 23, H100: after a memset corpus-10k 273.3 -> 267.5 us, 30k
+  // documents 768.7 -> 754.1; back to back +0.3 %; 2-wave grids lost 4 %).
+  // The plain wave's up-front write-back is a fixed cost, so shorter scans
+  // lose by it: the rule starts at 12 waves (session 24,
   // after a memset: 5.5 waves -6 %, 9.6 waves -1.3 %, 7.3 / 9.1 level,
   // 13.6-38 waves +1.8-2.5 %). Measured for 16-bit rows only.
   p.stream_keep = p.stream_keep > 0 ? INT32_MAX : auto_keep && b16 && blocks() >= 12 * wave ? (int)wave : 0;
