@@ -71,7 +71,8 @@ struct FwdParams {
   int64_t gsz, cpg;
   // Streaming kernel: warps per pair (1, 2, 4), stream_il (bit 0: the
   // whole-sector lane layout, bit 1: a split pair's warps take interleaved
-  // tiles instead of contiguous ranges), the per-CTA query staging (<= 0 / < 0: the launcher's heuristic);
+  // tiles instead of contiguous ranges), the per-CTA query staging (<= 0 /
+  // < 0: the launcher's heuristic);
   // the last stream_tail pairs split over 4 warps, one pair per CTA after
   // the first stream_head_blocks CTAs (< 0: the launcher's heuristic);
   // stream_keep: plain document loads that leave them in L2 (> 0) or

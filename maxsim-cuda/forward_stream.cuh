@@ -11,11 +11,10 @@
 // One warp per pair, or S = 2 / 4 warps per pair each taking every S-th of
 // the document's tiles, so the pair's warps read adjacent tiles at once
 // (H100, against contiguous ranges: rerank-long -1 %, 10k documents of 180
-// tokens -0.6 %, the rest level; session 24; row maxima combined through
-// shared memory; max is order-free, so every S gives the same bits); a grid of several
-// waves takes its last pairs at S = 4, one per CTA, so it ends on short
-// tasks. The query's A
-// fragments stay in registers; document tokens are loaded straight into B
+// tokens -0.6 %, the rest level; session 24). Their row maxima combine
+// through shared memory; max is order-free, so every S gives the same bits.
+// A grid of several waves takes its last pairs at S = 4, one per CTA, so it
+// ends on short tasks. The query's A fragments stay in registers; document tokens are loaded straight into B
 // fragments, 8 tokens (one m16n8k16 n tile) per step, U steps in flight.
 // The trick that makes the loads coalesced 16-byte vectors: a dot product
 // does not care about the order of k, so lane (g, c) (g = lane / 4,
@@ -538,9 +537,9 @@ void launch_stream_mt(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st
   // (session 23, H100: after a memset corpus-10k 273.3 -> 267.5 us, 30k
   // documents 768.7 -> 754.1; back to back +0.3 %; 2-wave grids lost 4 %).
   // The plain wave's up-front write-back is a fixed cost, so shorter scans
-  // lose by it: the rule starts at 12 waves (session 24,
-  // after a memset: 5.5 waves -6 %, 9.6 waves -1.3 %, 7.3 / 9.1 level,
-  // 13.6-38 waves +1.8-2.5 %). Measured for 16-bit rows only.
+  // lose by it: the rule starts at 12 waves (session 24, after a memset:
+  // 5.5 waves -6 %, 9.6 waves -1.3 %, 7.3 / 9.1 level, 13.6-38 waves
+  // +1.8-2.5 %). Measured for 16-bit rows only.
   p.stream_keep = p.stream_keep > 0 ? INT32_MAX : auto_keep && b16 && blocks() >= 12 * wave ? (int)wave : 0;
   launch_pdl(kern, dim3((unsigned)blocks()), dim3(kStreamWarps * 32), 0, st, p);
 }
