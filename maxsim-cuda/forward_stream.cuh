@@ -466,7 +466,11 @@ void run_stream(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st);
 // Best: one wave at S = 1 -> S = 4 for documents of >= 64 tiles or while
 // the S = 4 grid fills <= 2/3 of a wave, else S = 2 while that grid fits
 // one wave (few pairs: the chain is the whole time; H100, 1 query x 66
-// documents of 300 tokens: 15.2 -> 7.5 us, session 15), else S = 1;
+// documents of 300 tokens: 15.2 -> 7.5 us, session 15), or while the pairs
+// fill >= 5/8 of the S = 1 slots and hold >= 32 tiles (with interleaved
+// tiles; H100, session 24: rerank-short 39.1 -> 37.5 us after a memset,
+// 1200 documents of 300 tokens -5 %, 24 x 50 candidates of 256 tokens
+// -2.6 %; fewer pairs or shorter documents lost), else S = 1;
 // up to 2.25 waves at S = 1 -> S = 1 (the tail split below balances them:
 // H100, Rerank 33.1 -> 31.4 us, 64 x 50 documents of 200 tokens 63.9 ->
 // 61.1, equal elsewhere; session 17), more -> the largest S leaving >= 11
@@ -489,7 +493,9 @@ void launch_stream_mt(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st
     int S = 1;
     if (b16) {
       if (p.P <= slots)
-        S = ntile >= 64 || 4 * p.P * 3 <= 2 * slots ? 4 : 2 * p.P <= slots ? 2 : 1;
+        S = ntile >= 64 || 4 * p.P * 3 <= 2 * slots ? 4
+            : 2 * p.P <= slots || (8 * p.P >= 5 * slots && ntile >= 32) ? 2
+                                                                        : 1;
       else
         S = 4 * p.P <= 9 * slots ? 1 : ntile >= 44 ? 4 : ntile >= 22 ? 2 : 1;
     }
