@@ -26,7 +26,6 @@ Writes ``bench_results/<gpu>-read-floor.json``.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -83,25 +82,28 @@ def replica(rf, names, out):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default=",".join(ROWS))
+    ap.add_argument("--only", default=None, help="comma-separated rows (default: ROWS; rerank-short,Rerank "
+                    "with --replica)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--replica", action="store_true")
     args = ap.parse_args()
     rf = load_ext()
     if args.replica:
-        return replica(rf, args.only.split(",") if args.only != ",".join(ROWS) else ["rerank-short", "Rerank"], args.out)
+        return replica(rf, args.only.split(",") if args.only else ["rerank-short", "Rerank"], args.out)
+    names = args.only.split(",") if args.only else ROWS
     ms = bg.load_maxsim()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     sink = torch.zeros(4, dtype=torch.int32, device="cuda")
     rows = []
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; eager / graph us")
     print(f"{'workload':14s} {'MB':>7s} {'maxsim':>17s} " + " ".join(f"{'read ' + p:>17s}" for p in POLICIES.values()))
-    for name in args.only.split(","):
+    for name in names:
         kind, n, k, lq, ld = bg.FORWARD[name]
         Q, D = bg.make_inputs(kind, n, k, lq, ld)
         fn = (lambda: ms.maxsim(Q, D)) if kind == "shared" else (lambda: ms.score_candidates_padded(Q, D))
         mb = D.numel() * D.element_size() / 1e6
-        rows.append(dict(workload=name, impl="maxsim", dtype="bf16", mb=mb, ms=bg.bench(fn), graph_ms=bg.graph_ms(fn)))
+        m = dict(workload=name, impl="maxsim", dtype="bf16", mb=mb, ms=bg.bench(fn), graph_ms=bg.graph_ms(fn))
+        rows.append(m)
         best = {}
         for pol, pname in POLICIES.items():
             for wps in WARPS_PER_SM:
@@ -111,12 +113,11 @@ def main():
                 rows.append(r)
                 b = best.setdefault(pname, [r["ms"], r["graph_ms"]])
                 b[0], b[1] = min(b[0], r["ms"]), min(b[1], r["graph_ms"])
-        m = rows[-1 - len(POLICIES) * len(WARPS_PER_SM)]
         print(f"{name:14s} {mb:7.1f} {m['ms'] * 1e3:8.2f}/{m['graph_ms'] * 1e3:8.2f} " +
               " ".join(f"{e * 1e3:8.2f}/{gr * 1e3:8.2f}" for e, gr in best.values()), flush=True)
         del Q, D
     print(f"\n{'workload':14s} {'read':6s} " + " ".join(f"{w:>5d} wps (eager/graph)" for w in WARPS_PER_SM))
-    for name in args.only.split(","):
+    for name in names:
         for pname in POLICIES.values():
             rs = [r for r in rows if r["workload"] == name and r["impl"] == f"read {pname}"]
             print(f"{name:14s} {pname:6s} " + " ".join(f"{r['ms'] * 1e3:10.2f}/{r['graph_ms'] * 1e3:8.2f}" for r in rs))

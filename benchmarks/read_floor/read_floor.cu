@@ -18,13 +18,10 @@ __device__ __forceinline__ uint4 ld16(const uint4* p) {
   return v;
 }
 
-// Each warp reads a contiguous chunk of CH bytes (U loads of 512 B in flight per step).
+// A warp reads vectors [b, e) of d, U loads of 512 B in flight per step, and
+// folds them into one word (so the loads stay live).
 template <int POL, int U>
-__global__ void __launch_bounds__(256) read_kernel(const uint4* __restrict__ d, int64_t n16, int64_t chunk16,
-                                                   uint32_t* __restrict__ out) {
-  const int lane = threadIdx.x & 31;
-  const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
-  int64_t b = warp * chunk16, e = min(b + chunk16, n16);
+__device__ __forceinline__ uint32_t read_range(const uint4* __restrict__ d, int64_t b, int64_t e, int lane) {
   uint32_t acc = 0;
   for (int64_t i = b + lane; i < e; i += 32 * U) {
     uint4 v[U];
@@ -33,6 +30,17 @@ __global__ void __launch_bounds__(256) read_kernel(const uint4* __restrict__ d, 
 #pragma unroll
     for (int u = 0; u < U; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
   }
+  return acc;
+}
+
+// Each warp reads a contiguous chunk of chunk16 vectors.
+template <int POL, int U>
+__global__ void __launch_bounds__(256) read_kernel(const uint4* __restrict__ d, int64_t n16, int64_t chunk16,
+                                                   uint32_t* __restrict__ out) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int64_t b = warp * chunk16;
+  const uint32_t acc = read_range<POL, U>(d, b, min(b + chunk16, n16), lane);
   if (acc == 0x9e3779b9u) out[0] = acc;  // keeps the loads alive; practically never true
 }
 
@@ -64,16 +72,7 @@ __global__ void __launch_bounds__(128) units_kernel(const uint4* __restrict__ d,
     b = int64_t(head_blocks) * 4 * head16 + (int64_t(blockIdx.x - head_blocks) * 4 + warp) * tail16;
     len = tail16;
   }
-  const int64_t e = min(b + len, n16);
-  uint32_t acc = 0;
-  constexpr int U = 8;
-  for (int64_t i = b + lane; i < e; i += 32 * U) {
-    uint4 v[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) v[u] = (i + 32 * u < e) ? ld16<1>(d + i + 32 * u) : make_uint4(0, 0, 0, 0);
-#pragma unroll
-    for (int u = 0; u < U; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
-  }
+  const uint32_t acc = read_range<1, 8>(d, b, min(b + len, n16), lane);
   if (acc == 0x9e3779b9u) {
     smem[threadIdx.x] = acc;
     out[0] = smem[(threadIdx.x + 1) & 127];
