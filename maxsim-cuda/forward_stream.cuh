@@ -14,8 +14,9 @@
 // tokens -0.6 %, the rest level; session 24). Their row maxima combine
 // through shared memory; max is order-free, so every S gives the same bits.
 // A grid of several waves takes its last pairs at S = 4, one per CTA, so it
-// ends on short tasks. The query's A fragments stay in registers; document tokens are loaded straight into B
-// fragments, 8 tokens (one m16n8k16 n tile) per step, U steps in flight.
+// ends on short tasks. The query's A fragments stay in registers; document
+// tokens are loaded straight into B fragments, 8 tokens (one m16n8k16 n
+// tile) per step, U steps in flight.
 // The trick that makes the loads coalesced 16-byte vectors: a dot product
 // does not care about the order of k, so lane (g, c) (g = lane / 4,
 // c = lane % 4) takes W = row bytes / 64 vectors of token g of the step --
