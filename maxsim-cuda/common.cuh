@@ -80,6 +80,13 @@ struct FwdParams {
   // of leading CTAs that load plainly (INT32_MAX: all). stream_multiwave:
   // the grid runs in more than one wave (set by the launcher).
   int stream_split, stream_il, stream_qsm, stream_keep, stream_multiwave;
+  // Streaming kernel, 16-bit CROSS / GROUPED: every document segment is
+  // guessed to start at id * stream_extent (> 0: the host saw Td = Nd x
+  // extent), so its first tiles are requested before (start, len) arrive;
+  // a wrong guess refetches them. 0: no guess. stream_qextent: the same for
+  // the query rows (Tq = Nq x qextent), staged by cp.async before their
+  // segment's (start, len) arrive.
+  int64_t stream_extent, stream_qextent;
   int64_t stream_tail, stream_head_blocks;
   // Outputs.
   float* scores;

@@ -73,6 +73,8 @@ static int g_stream_keep = -1;  // plain (L2-keeping) document loads (-1 = heuri
 void set_stream_keep(int keep) { g_stream_keep = keep; }
 static int64_t g_stream_tail = -1;  // streaming kernel tail pairs split over 4 warps (-1 = heuristic)
 void set_stream_tail(int64_t pairs) { g_stream_tail = pairs; }
+static int g_stream_spec = 3;  // guessed starts: bit 0 documents, bit 1 queries
+void set_stream_spec(int on) { g_stream_spec = on; }
 
 namespace {
 
@@ -391,6 +393,8 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
     p.stream_qsm = g_stream_qsm;
     p.stream_tail = g_stream_tail;
     p.stream_keep = g_stream_keep;
+    p.stream_extent = (g_stream_spec & 1) && Nd > 0 && d.size(0) % Nd == 0 ? d.size(0) / Nd : 0;
+    p.stream_qextent = (g_stream_spec & 2) && Nq > 0 && q.size(0) % Nq == 0 ? q.size(0) / Nq : 0;
     run_stream_any(dtype, p, mean_ld, prop->multiProcessorCount, stream);
     return {scores, argmax};
   }

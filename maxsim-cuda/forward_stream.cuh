@@ -187,10 +187,18 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
   // Warps past the last pair stay to the end: the CTA meets at barriers.
   int64_t n = 0, dn = 0;
   if (live) pair_ids(p, pr, n, dn);
-  int qs = 0, ql = 0, ds = 0, dl = 0;
-  const bool qok = live && query_ok(p, n, qs, ql);
-  const bool ok = live && doc_ok(p, dn, ds, dl) && qok;
   const int64_t rb = p.row_bytes;
+  // A warp's first tiles do not depend on the document's length when it
+  // starts at tile `part` (interleaved split or one warp per pair), so with
+  // a guessed start (stream_extent) they are requested before the segment's
+  // (start, len) arrive -- at a wave boundary that dependent load otherwise
+  // delays every new CTA's first DRAM request.
+  const bool ilv = (p.stream_il & 2) != 0 && SP > 1;
+  // 16-bit rows of >= 64 bytes only: at 32-byte rows the guess costs spills.
+  constexpr bool kGuess = !kIsQuant<T> && !RK && KS >= 4;
+  const bool spec = kGuess && live && p.stream_extent > 0 && (ilv || SP == 1) &&
+                    (p.layout == kCrossL || p.layout == kGroupedL);
+  const int64_t gds = dn * p.stream_extent;
   // Interleaved: in load w, the quad's four lanes read 64 contiguous bytes
   // (vector 4w + c), so every 32-byte sector of a request is whole.
   const bool il = (p.stream_il & 1) != 0;
@@ -200,20 +208,58 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
   float best[MT][2];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) best[mt][0] = best[mt][1] = neg_inf();
+  uint4 buf[U][W];
+  const int ts = ilv ? SP : 1;
+  const int64_t fstep = 8 * ts * rb;
+  const bool keep = (int)blockIdx.x < p.stream_keep;
+  const int tb0 = ilv ? part : 0;  // the first tile when spec
+  if (spec) {
+    const char* src0 = p.d + (gds + tb0 * 8 + g) * rb + lane_off;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if ((tb0 + u * ts) * 8 + g < p.stream_extent) {
+        const uint4* src = reinterpret_cast<const uint4*>(src0 + u * fstep);
+#pragma unroll
+        for (int w = 0; w < W; ++w) buf[u][w] = keep ? ld_keep(src + w * vs) : ld_stream(src + w * vs);
+      } else {
+#pragma unroll
+        for (int w = 0; w < W; ++w) buf[u][w] = make_uint4(0, 0, 0, 0);
+      }
+    }
+  }
+  // The CTA's staged query rows, guessed the same way (every warp of the CTA
+  // takes part: the guess is CTA-uniform).
+  __shared__ uint4 qsh[32 * 256 / 16];
+  const bool staged = p.stream_qsm || tail;
+  const bool qspec = kGuess && staged && p.stream_qextent > 0 &&
+                     (p.layout == kCrossL || p.layout == kGroupedL);
+  int64_t n0 = 0, dn0 = 0;
+  auto first_pair = [&] { pair_ids(p, tail ? pr : (int64_t)blockIdx.x * (kStreamWarps / SP), n0, dn0); };
+  if (kGuess && staged) first_pair();
+  const int64_t gq0 = n0 * p.stream_qextent;
+  const int qrows = (int)min((int64_t)p.lq, p.stream_qextent);
+  if (qspec && n0 < p.Nq) {
+    const char* src = p.q + gq0 * rb;
+    for (int x = threadIdx.x; x < qrows * (int)(rb / 16); x += kStreamWarps * 32)
+      cp_async<16>(smem_u32(qsh + x), src + (int64_t)x * 16, true);
+    cp_async_commit();
+  }
+  int qs = 0, ql = 0, ds = 0, dl = 0;
+  const bool qok = live && query_ok(p, n, qs, ql);
+  const bool ok = live && doc_ok(p, dn, ds, dl) && qok;
+  // The guess held if the segment starts there and ends within the guessed
+  // extent (rows past its end were read but are masked like any tail).
+  const bool guessed = spec && ok && ds == gds && dl <= p.stream_extent;
   const int ntile = ok ? (dl + 7) / 8 : 0;
   // This warp's tiles of the pair: a contiguous range, or (stream_il bit 1)
   // every SP-th tile from tile `part`, so the pair's warps read adjacent
   // tiles at any moment.
-  const bool ilv = (p.stream_il & 2) != 0 && SP > 1;
   const int tchunk = (ntile + SP - 1) / SP;
   const int tb = ilv ? part : min(ntile, part * tchunk), te = ilv ? ntile : min(ntile, tb + tchunk);
-  const int ts = ilv ? SP : 1;
-  uint4 buf[U][W];
   float2 dsc[SC && !DS ? U : 1];  // doc-token scales of columns 2c, 2c + 1 (8-bit)
   // One scale per document (the caller's promise): applied to the row sum's
   // terms at the end instead of to every product, and no scale loads.
   constexpr bool doc_sc = SC && DS;
-  const bool keep = (int)blockIdx.x < p.stream_keep;
   // Tiles are fetched in order, so the next one's address and token index
   // advance by a tile per fetch instead of being recomputed (64-bit
   // products) each time; token j of the warp's range is in bounds iff
@@ -222,7 +268,6 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
   int fj = tb * 8 + g;
   const char* fsrc = p.d + ((int64_t)ds + fj) * rb + lane_off;
   const float* fsc = SC && !DS ? p.d_scale + ds + tb * 8 + 2 * c : nullptr;
-  const int64_t fstep = 8 * ts * rb;
   auto fetch = [&](int u) {
     if (fj < jlim) {
       const uint4* src = reinterpret_cast<const uint4*>(fsrc);
@@ -242,22 +287,31 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
     fsrc = advance(fsrc, fstep);
     fj += 8 * ts;
   };
+  if (guessed) {  // the first U tiles are in flight: continue after them
+    fj += U * 8 * ts;
+    fsrc = advance(fsrc, U * fstep);
+  } else {
 #pragma unroll
-  for (int u = 0; u < U; ++u) fetch(u);
+    for (int u = 0; u < U; ++u) fetch(u);
+  }
 
   // The query rows: staged once per CTA in shared memory when the CTA's
   // warps share the query of its first pair (one query against many
   // documents, GROUPED candidates), else read by each warp. The documents'
   // first tiles are already in flight.
-  __shared__ uint4 qsh[32 * 256 / 16];
   bool from_sh = false;
-  if (p.stream_qsm || tail) {
-    int64_t n0, dn0;
-    pair_ids(p, tail ? pr : (int64_t)blockIdx.x * (kStreamWarps / SP), n0, dn0);
+  if (staged) {
+    if (!kGuess) first_pair();
     int qs0, ql0;
-    if (query_ok(p, n0, qs0, ql0)) {
-      const uint4* src = reinterpret_cast<const uint4*>(p.q + (int64_t)qs0 * rb);
-      for (int x = threadIdx.x; x < ql0 * (int)(rb / 16); x += kStreamWarps * 32) qsh[x] = __ldg(src + x);
+    const bool q0ok = query_ok(p, n0, qs0, ql0);
+    if (qspec && n0 < p.Nq) cp_async_wait_all();  // drained either way before qsh is rewritten
+    if (q0ok) {
+      // The guess held if the segment starts there with no more rows than
+      // were staged (rows past its length are staged but never read).
+      if (!(qspec && qs0 == gq0 && ql0 <= qrows)) {
+        const uint4* src = reinterpret_cast<const uint4*>(p.q + (int64_t)qs0 * rb);
+        for (int x = threadIdx.x; x < ql0 * (int)(rb / 16); x += kStreamWarps * 32) qsh[x] = __ldg(src + x);
+      }
       from_sh = ok && n == n0;
     }
     __syncthreads();

@@ -420,6 +420,48 @@ def test_scan_of_many_waves(ms, device, dtype):
     assert_close(ms.maxsim(Q, Dp.to(device), None, holes.to(device)).cpu(), ref2, dtype)
 
 
+def test_packed_documents_off_the_even_grid(ms, device, dtype):
+    """Packed documents whose token count is a multiple of their number, so
+    the CUDA streaming kernel guesses each starts at id x extent and
+    requests its first tiles before (start, len) arrive: documents on that
+    grid, one on it but longer than the extent, ones shifted off it and back,
+    empty ones and one with a NaN token. A wrong guess must refetch."""
+    g = torch.Generator().manual_seed(31)
+    nd, ext, lq, dim = 1500, 24, 32, 128
+    dlens = torch.full((nd,), ext, dtype=torch.long)
+    dlens[100], dlens[101] = ext + 7, ext - 7  # 100: on the grid, too long; 101: off it
+    dlens[200], dlens[203] = ext - 13, ext + 13  # 201, 202, 203 start off the grid
+    src = torch.randint(300, nd, (4000,), generator=g)
+    dst = torch.randint(300, nd, (4000,), generator=g)
+    for i, j in zip(src.tolist(), dst.tolist()):  # move tokens: the total stays nd x ext
+        t = min(int(dlens[i]), 5)
+        dlens[i] -= t
+        dlens[j] += t
+    dlens[400] += dlens[401]  # one long document next to an empty one
+    dlens[401] = 0
+    assert int(dlens.sum()) == nd * ext and int(dlens.max()) > ext
+    doff = torch.cat([torch.zeros(1, dtype=torch.long), dlens.cumsum(0)])
+    Q = rand(1, lq, dim, dtype=dtype, device=device, gen=g)
+    d = rand(nd * ext, dim, dtype=dtype, device=device, gen=g)
+    d[int(doff[101]) + 2, 9] = float("nan")
+    # 200 starts on the grid and ends before its extent: its guessed tiles
+    # read 201's first tokens, one NaN, which must not reach 200's score.
+    d[int(doff[201]), 4] = float("nan")
+    ld = int(dlens.max())
+    Dp = torch.zeros(nd, ld, dim, dtype=dtype)
+    mask = lengths_mask(dlens, ld)
+    Dp[mask] = d.cpu()
+    ref = ms.maxsim_reference(Q.cpu(), Dp, None, mask)
+    out = ms.score_contrastive(Q, d, doff.to(device)).cpu()
+    for i in (101, 201):
+        assert torch.isnan(out[0, i]) and torch.isnan(ref[0, i])
+    keep = torch.ones(nd, dtype=torch.bool)
+    keep[[101, 201]] = False
+    assert not torch.isnan(out[0, keep]).any()
+    assert_close(out[:, keep], ref[:, keep], dtype)
+    assert torch.all(out[0, dlens == 0] == 0)
+
+
 @pytest.mark.parametrize("case", ["one-query-long", "grouped-2", "grouped-4"])
 def test_streaming_split_pairs(ms, device, case):
     """Shapes where the CUDA streaming kernel splits each pair over 2 or 4
