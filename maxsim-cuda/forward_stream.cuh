@@ -529,7 +529,11 @@ void run_stream(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st);
 // up to 2.25 waves at S = 1 -> S = 1 (the tail split below balances them:
 // H100, Rerank 33.1 -> 31.4 us, 64 x 50 documents of 200 tokens 63.9 ->
 // 61.1, equal elsewhere; session 17), more -> the largest S leaving >= 11
-// tiles per warp (one query x 10k documents: S = 1 is 0.7 % slower). 8-bit
+// tiles per warp (one query x 10k documents: S = 1 is 0.7 % slower), and
+// S = 4 from 32 tiles for one query x many documents (with the guessed
+// starts, session 26: 10k documents of 256 / 300 tokens -3.1 / -1.9 %,
+// 5k of 300 -3 % in graph time, eager level or better; per-query
+// candidates of 38 tiles lost 2.3 %, so they keep the 44-tile rule). 8-bit
 // rows measured no gain from any of the three (search-10k), so they keep
 // S = 1. Either way a grid of several waves ends on split pairs
 // (stream_tail).
@@ -552,7 +556,10 @@ void launch_stream_mt(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st
             : 2 * p.P <= slots || (8 * p.P >= 5 * slots && ntile >= 32) ? 2
                                                                         : 1;
       else
-        S = 4 * p.P <= 9 * slots ? 1 : ntile >= 44 ? 4 : ntile >= 22 ? 2 : 1;
+        S = 4 * p.P <= 9 * slots ? 1
+            : ntile >= 44 || (ntile >= 32 && p.layout == kCrossL) ? 4
+            : ntile >= 22 ? 2
+                          : 1;
     }
     p.stream_split = S;
   }
