@@ -194,7 +194,7 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
   // (start, len) arrive -- at a wave boundary that dependent load otherwise
   // delays every new CTA's first DRAM request.
   const bool ilv = (p.stream_il & 2) != 0 && SP > 1;
-  // 16-bit rows of >= 64 bytes only: at 32-byte rows the guess costs spills.
+  // 16-bit rows of >= 128 bytes (d >= 64) only: at d = 32 the guess cost spills.
   constexpr bool kGuess = !kIsQuant<T> && !RK && KS >= 4;
   const bool spec = kGuess && live && p.stream_extent > 0 && (ilv || SP == 1) &&
                     (p.layout == kCrossL || p.layout == kGroupedL);
