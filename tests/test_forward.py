@@ -420,14 +420,15 @@ def test_scan_of_many_waves(ms, device, dtype):
     assert_close(ms.maxsim(Q, Dp.to(device), None, holes.to(device)).cpu(), ref2, dtype)
 
 
-def test_packed_documents_off_the_even_grid(ms, device, dtype):
+@pytest.mark.parametrize("dim", [64, 128])
+def test_packed_documents_off_the_even_grid(ms, device, dtype, dim):
     """Packed documents whose token count is a multiple of their number, so
     the CUDA streaming kernel guesses each starts at id x extent and
     requests its first tiles before (start, len) arrive: documents on that
     grid, one on it but longer than the extent, ones shifted off it and back,
     empty ones and one with a NaN token. A wrong guess must refetch."""
     g = torch.Generator().manual_seed(31)
-    nd, ext, lq, dim = 1500, 24, 32, 128
+    nd, ext, lq = 1500, 24, 32
     dlens = torch.full((nd,), ext, dtype=torch.long)
     dlens[100], dlens[101] = ext + 7, ext - 7  # 100: on the grid, too long; 101: off it
     dlens[200], dlens[203] = ext - 13, ext + 13  # 201, 202, 203 start off the grid
