@@ -21,7 +21,10 @@ fastest of these kernels, not a bound proven for every access order.
 launcher can split the scan (S warps per pair, optionally the last slots / 2
 pairs over 4 warps) at the streaming kernel's occupancy (3 CTAs of 4 warps
 per SM, capped by shared memory), next to an even split at that occupancy:
-what the split itself costs, apart from the work per tile.
+what the split itself costs, apart from the work per tile. Also each pair
+read by G = 1-32 consecutive warps taking every G-th tile of 2 KB (the
+kernel's interleaved split, and wider ones that would span CTAs): whether
+fewer pairs in flight, i.e. a narrower window of bytes, reads faster.
 
 Writes ``bench_results/<gpu>-read-floor.json``.
 """
@@ -41,6 +44,7 @@ ROWS = ["rerank-100", "rerank-short", "Rerank", "HeavyRerank", "rerank-long", "r
 POLICIES = {0: "plain", 1: ".cs", 2: ".nc"}
 WARPS_PER_SM = (8, 12, 16, 32, 48)
 SWEEP_BLOCKS = {"sweep 4K": 256, "sweep 16K": 1024}  # 16-byte vectors per block
+GROUPS = (1, 2, 4, 8, 16, 32)  # --replica: warps per pair of the interleaved split
 
 
 def load_ext():
@@ -75,8 +79,10 @@ def replica(rf, names, out):
                 head = pairs - tail
                 splits[f"S = {S}, {tail} tail pairs at S = 4"] = (-(-head * S // 4), per16 // S, tail, per16 // 4)
         print(f"{name}: {pairs} pairs of {per16 * 16 / 1024:.1f} KB; eager / graph us")
-        for label, (hb, h16, tb, t16) in splits.items():
-            g = lambda: rf.read_units(D, sink, hb, h16, tb, t16, smem)  # noqa: E731
+        calls = {label: (lambda a=a: rf.read_units(D, sink, *a, smem)) for label, a in splits.items()}
+        for G in GROUPS:  # every G-th tile of 2 KB per warp, G warps per pair (past 4: across CTAs)
+            calls[f"interleaved, {G} warps per pair"] = lambda G=G: rf.read_groups(D, sink, pairs, per16, G, smem)
+        for label, g in calls.items():
             r = dict(workload=name, impl=f"replica {label}", dtype="bf16", ms=bg.bench(g), graph_ms=bg.graph_ms(g))
             rows.append(r)
             print(f"  {label:36s} {r['ms'] * 1e3:8.2f} / {r['graph_ms'] * 1e3:8.2f}", flush=True)

@@ -105,6 +105,50 @@ __global__ void __launch_bounds__(128) units_kernel(const uint4* __restrict__ d,
   }
 }
 
+// Pairs of per16 vectors, each read by a group of G consecutive warps (G > 4
+// spans CTAs) taking every G-th tile of 2 KB, two tiles in flight per warp:
+// the streaming kernel's interleaved split, generalised past one CTA.
+__global__ void __launch_bounds__(128) groups_kernel(const uint4* __restrict__ d, int64_t pairs, int64_t per16, int G,
+                                                     uint32_t* __restrict__ out) {
+  extern __shared__ uint32_t smem[];
+  constexpr int kTile16 = 128;  // 8 rows of 256 bytes
+  const int lane = threadIdx.x & 31;
+  const int64_t gw = int64_t(blockIdx.x) * 4 + (threadIdx.x >> 5);
+  const int64_t pair = gw / G;
+  const int k = (int)(gw % G);
+  uint32_t acc = 0;
+  if (pair < pairs) {
+    const uint4* base = d + pair * per16;
+    const int64_t nt = (per16 + kTile16 - 1) / kTile16;
+    for (int64_t t = k; t < nt; t += 2 * G) {
+      uint4 v[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const int64_t i = (t + (u / 4) * G) * kTile16 + (u % 4) * 32 + lane;
+        v[u] = (t + (u / 4) * G < nt && i < per16) ? ld16<1>(base + i) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int u = 0; u < 8; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+    }
+  }
+  if (acc == 0x9e3779b9u) {
+    smem[threadIdx.x] = acc;
+    out[0] = smem[(threadIdx.x + 1) & 127];
+  }
+}
+
+void read_groups(torch::Tensor d, torch::Tensor out, int64_t pairs, int64_t per16, int64_t G, int64_t smem) {
+  static const bool opt_in = [] {
+    return cudaFuncSetAttribute(groups_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 100 * 1024) ==
+           cudaSuccess;
+  }();
+  TORCH_CHECK(opt_in && smem <= 100 * 1024, "read_groups: shared memory opt-in failed");
+  TORCH_CHECK(G >= 1 && pairs * per16 * 16 <= d.numel() * d.element_size(), "read_groups: bad split");
+  const int64_t blocks = (pairs * G + 3) / 4;
+  groups_kernel<<<(unsigned)blocks, 128, smem, c10::cuda::getCurrentCUDAStream()>>>(
+      reinterpret_cast<const uint4*>(d.data_ptr()), pairs, per16, (int)G, reinterpret_cast<uint32_t*>(out.data_ptr()));
+}
+
 void read_units(torch::Tensor d, torch::Tensor out, int64_t head_blocks, int64_t head16, int64_t tail_blocks,
                 int64_t tail16, int64_t smem) {
   static const bool opt_in = [] {
@@ -122,4 +166,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("read_all", &read_all);
   m.def("read_sweep", &read_sweep);
   m.def("read_units", &read_units);
+  m.def("read_groups", &read_groups);
 }
