@@ -33,53 +33,38 @@ __device__ __forceinline__ uint32_t read_range(const uint4* __restrict__ d, int6
   return acc;
 }
 
-// Each warp reads a contiguous chunk of chunk16 vectors.
+// Warp w of NW reads blocks w, w + NW, w + 2 NW, ... of blk16 vectors. With
+// blk16 = n16 / NW (rounded up) that is one contiguous chunk per warp (an
+// even split); with small blocks all warps sweep the tensor together, so the
+// bytes in flight sit in a narrow window instead of one stream per warp.
 template <int POL, int U>
-__global__ void __launch_bounds__(256) read_kernel(const uint4* __restrict__ d, int64_t n16, int64_t chunk16,
+__global__ void __launch_bounds__(256) read_kernel(const uint4* __restrict__ d, int64_t n16, int64_t blk16,
                                                    uint32_t* __restrict__ out) {
-  const int lane = threadIdx.x & 31;
-  const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
-  const int64_t b = warp * chunk16;
-  const uint32_t acc = read_range<POL, U>(d, b, min(b + chunk16, n16), lane);
-  if (acc == 0x9e3779b9u) out[0] = acc;  // keeps the loads alive; practically never true
-}
-
-// Warp w reads blocks w, w + NW, w + 2 NW, ... of blk16 vectors: all warps
-// sweep the tensor together, so the bytes in flight sit in a narrow window
-// (the order of the streaming kernel's split pairs and of tile-per-program
-// kernels) instead of one stream per warp.
-template <int POL, int U>
-__global__ void __launch_bounds__(256) sweep_kernel(const uint4* __restrict__ d, int64_t n16, int64_t blk16,
-                                                    uint32_t* __restrict__ out) {
   const int lane = threadIdx.x & 31;
   const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int64_t nw = (int64_t(gridDim.x) * blockDim.x) >> 5;
   uint32_t acc = 0;
   for (int64_t b = warp * blk16; b < n16; b += nw * blk16) acc ^= read_range<POL, U>(d, b, min(b + blk16, n16), lane);
-  if (acc == 0x9e3779b9u) out[0] = acc;
+  if (acc == 0x9e3779b9u) out[0] = acc;  // keeps the loads alive; practically never true
 }
+
+static void launch_read(torch::Tensor d, torch::Tensor out, int64_t pol, int64_t warps, int64_t blk16) {
+  const int64_t n16 = d.numel() * d.element_size() / 16;
+  if (blk16 <= 0) blk16 = (n16 + warps - 1) / warps;
+  const int blocks = (int)((warps * 32 + 255) / 256);
+  auto st = c10::cuda::getCurrentCUDAStream();
+  auto p = reinterpret_cast<const uint4*>(d.data_ptr());
+  auto o = reinterpret_cast<uint32_t*>(out.data_ptr());
+  if (pol == 0) read_kernel<0, 8><<<blocks, 256, 0, st>>>(p, n16, blk16, o);
+  else if (pol == 1) read_kernel<1, 8><<<blocks, 256, 0, st>>>(p, n16, blk16, o);
+  else read_kernel<2, 8><<<blocks, 256, 0, st>>>(p, n16, blk16, o);
+}
+
+void read_all(torch::Tensor d, torch::Tensor out, int64_t pol, int64_t warps) { launch_read(d, out, pol, warps, 0); }
 
 void read_sweep(torch::Tensor d, torch::Tensor out, int64_t pol, int64_t warps, int64_t blk16) {
-  const int64_t n16 = d.numel() * d.element_size() / 16;
-  const int blocks = (int)((warps * 32 + 255) / 256);
-  auto st = c10::cuda::getCurrentCUDAStream();
-  auto p = reinterpret_cast<const uint4*>(d.data_ptr());
-  auto o = reinterpret_cast<uint32_t*>(out.data_ptr());
-  if (pol == 0) sweep_kernel<0, 8><<<blocks, 256, 0, st>>>(p, n16, blk16, o);
-  else if (pol == 1) sweep_kernel<1, 8><<<blocks, 256, 0, st>>>(p, n16, blk16, o);
-  else sweep_kernel<2, 8><<<blocks, 256, 0, st>>>(p, n16, blk16, o);
-}
-
-void read_all(torch::Tensor d, torch::Tensor out, int64_t pol, int64_t warps) {
-  const int64_t n16 = d.numel() * d.element_size() / 16;
-  const int64_t chunk16 = (n16 + warps - 1) / warps;
-  const int blocks = (int)((warps * 32 + 255) / 256);
-  auto st = c10::cuda::getCurrentCUDAStream();
-  auto p = reinterpret_cast<const uint4*>(d.data_ptr());
-  auto o = reinterpret_cast<uint32_t*>(out.data_ptr());
-  if (pol == 0) read_kernel<0, 8><<<blocks, 256, 0, st>>>(p, n16, chunk16, o);
-  else if (pol == 1) read_kernel<1, 8><<<blocks, 256, 0, st>>>(p, n16, chunk16, o);
-  else read_kernel<2, 8><<<blocks, 256, 0, st>>>(p, n16, chunk16, o);
+  TORCH_CHECK(blk16 > 0, "read_sweep: blk16 must be positive");
+  launch_read(d, out, pol, warps, blk16);
 }
 
 // The same reads split as the streaming launcher splits a scan: head CTAs give
