@@ -43,7 +43,8 @@ import bench_gpu as bg  # noqa: E402
 ROWS = ["rerank-100", "rerank-short", "Rerank", "HeavyRerank", "rerank-long", "rerank-medium", "corpus-10k"]
 POLICIES = {0: "plain", 1: ".cs", 2: ".nc"}
 WARPS_PER_SM = (8, 12, 16, 32, 48)
-SWEEP_BLOCKS = {"sweep 4K": 256, "sweep 16K": 1024}  # 16-byte vectors per block
+# Read orders, by impl suffix: the even split (None), or a sweep in blocks of this many 16-byte vectors.
+ORDERS = {"": None, " sweep 4K": 256, " sweep 16K": 1024}
 GROUPS = (1, 2, 4, 8, 16, 32)  # --replica: warps per pair of the interleaved split
 
 
@@ -106,7 +107,7 @@ def main():
     sink = torch.zeros(4, dtype=torch.int32, device="cuda")
     rows = []
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; eager / graph us")
-    forms = [f"{p}{s}" for p in POLICIES.values() for s in ("", *(" " + n for n in SWEEP_BLOCKS))]
+    forms = [p + s for p in POLICIES.values() for s in ORDERS]
     print(f"{'workload':14s} {'MB':>7s} {'maxsim':>17s} " + " ".join(f"{p:>17s}" for p in forms))
     for name in names:
         kind, n, k, lq, ld = bg.FORWARD[name]
@@ -118,18 +119,14 @@ def main():
         best = {}
         for pol, pname in POLICIES.items():
             for wps in WARPS_PER_SM:
-                g = lambda: rf.read_all(D, sink, pol, sms * wps)  # noqa: E731
-                r = dict(workload=name, impl=f"read {pname}", dtype="bf16", mb=mb, warps_per_sm=wps,
-                         ms=bg.bench(g), graph_ms=bg.graph_ms(g))
-                rows.append(r)
-                b = best.setdefault(pname, [r["ms"], r["graph_ms"]])
-                b[0], b[1] = min(b[0], r["ms"]), min(b[1], r["graph_ms"])
-                for sname, blk in SWEEP_BLOCKS.items():
-                    g = lambda: rf.read_sweep(D, sink, pol, sms * wps, blk)  # noqa: E731
-                    r = dict(workload=name, impl=f"read {pname} {sname}", dtype="bf16", mb=mb, warps_per_sm=wps,
+                for suffix, blk in ORDERS.items():
+                    g = ((lambda: rf.read_all(D, sink, pol, sms * wps)) if blk is None  # noqa: E731
+                         else (lambda: rf.read_sweep(D, sink, pol, sms * wps, blk)))
+                    form = pname + suffix
+                    r = dict(workload=name, impl=f"read {form}", dtype="bf16", mb=mb, warps_per_sm=wps,
                              ms=bg.bench(g), graph_ms=bg.graph_ms(g))
                     rows.append(r)
-                    b = best.setdefault(f"{pname} {sname}", [r["ms"], r["graph_ms"]])
+                    b = best.setdefault(form, [r["ms"], r["graph_ms"]])
                     b[0], b[1] = min(b[0], r["ms"]), min(b[1], r["graph_ms"])
         print(f"{name:14s} {mb:7.1f} {m['ms'] * 1e3:8.2f}/{m['graph_ms'] * 1e3:8.2f} " +
               " ".join(f"{e * 1e3:8.2f}/{gr * 1e3:8.2f}" for e, gr in best.values()), flush=True)

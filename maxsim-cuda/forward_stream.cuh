@@ -233,6 +233,9 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
   const bool staged = p.stream_qsm || tail;
   const bool qspec = kGuess && staged && p.stream_qextent > 0 &&
                      (p.layout == kCrossL || p.layout == kGroupedL);
+  // The CTA's first pair: looked up here only where the guess needs it, so
+  // the instantiations without it (8-bit, fused re-score, d = 32) keep their
+  // old order of loads (below).
   int64_t n0 = 0, dn0 = 0;
   auto first_pair = [&] { pair_ids(p, tail ? pr : (int64_t)blockIdx.x * (kStreamWarps / SP), n0, dn0); };
   if (kGuess && staged) first_pair();

@@ -67,6 +67,21 @@ void read_sweep(torch::Tensor d, torch::Tensor out, int64_t pol, int64_t warps, 
   launch_read(d, out, pol, warps, blk16);
 }
 
+// Keeps a replica kernel's loads alive (practically never true); the
+// shared-memory touch keeps the dynamic allocation that caps CTAs per SM.
+__device__ __forceinline__ void keep_alive(uint32_t acc, uint32_t* smem, uint32_t* out) {
+  if (acc == 0x9e3779b9u) {
+    smem[threadIdx.x] = acc;
+    out[0] = smem[(threadIdx.x + 1) & 127];
+  }
+}
+
+// Lets a replica kernel take up to 100 KB of dynamic shared memory.
+template <class K>
+bool smem_opt_in(K kern) {
+  return cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, 100 * 1024) == cudaSuccess;
+}
+
 // The same reads split as the streaming launcher splits a scan: head CTAs give
 // each of their 4 warps `head16` vectors, the CTAs after them `tail16` each;
 // dynamic shared memory caps the CTAs per SM as registers cap the streaming
@@ -84,10 +99,7 @@ __global__ void __launch_bounds__(128) units_kernel(const uint4* __restrict__ d,
     len = tail16;
   }
   const uint32_t acc = read_range<1, 8>(d, b, min(b + len, n16), lane);
-  if (acc == 0x9e3779b9u) {
-    smem[threadIdx.x] = acc;
-    out[0] = smem[(threadIdx.x + 1) & 127];
-  }
+  keep_alive(acc, smem, out);
 }
 
 // Pairs of per16 vectors, each read by a group of G consecutive warps (G > 4
@@ -116,17 +128,11 @@ __global__ void __launch_bounds__(128) groups_kernel(const uint4* __restrict__ d
       for (int u = 0; u < 8; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
     }
   }
-  if (acc == 0x9e3779b9u) {
-    smem[threadIdx.x] = acc;
-    out[0] = smem[(threadIdx.x + 1) & 127];
-  }
+  keep_alive(acc, smem, out);
 }
 
 void read_groups(torch::Tensor d, torch::Tensor out, int64_t pairs, int64_t per16, int64_t G, int64_t smem) {
-  static const bool opt_in = [] {
-    return cudaFuncSetAttribute(groups_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 100 * 1024) ==
-           cudaSuccess;
-  }();
+  static const bool opt_in = smem_opt_in(groups_kernel);
   TORCH_CHECK(opt_in && smem <= 100 * 1024, "read_groups: shared memory opt-in failed");
   TORCH_CHECK(G >= 1 && pairs * per16 * 16 <= d.numel() * d.element_size(), "read_groups: bad split");
   const int64_t blocks = (pairs * G + 3) / 4;
@@ -136,9 +142,7 @@ void read_groups(torch::Tensor d, torch::Tensor out, int64_t pairs, int64_t per1
 
 void read_units(torch::Tensor d, torch::Tensor out, int64_t head_blocks, int64_t head16, int64_t tail_blocks,
                 int64_t tail16, int64_t smem) {
-  static const bool opt_in = [] {
-    return cudaFuncSetAttribute(units_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 100 * 1024) == cudaSuccess;
-  }();
+  static const bool opt_in = smem_opt_in(units_kernel);
   TORCH_CHECK(opt_in && smem <= 100 * 1024, "read_units: shared memory opt-in failed");
   const int64_t n16 = d.numel() * d.element_size() / 16;
   TORCH_CHECK(head_blocks * 4 * head16 + tail_blocks * 4 * tail16 >= n16, "read_units: the split misses bytes");
