@@ -298,21 +298,63 @@ __device__ __forceinline__ bool doc_pair(const BwdParams& p, int64_t j, int64_t 
 
 // acc += g * f on one lane's VEC floats of a shared fp32 row. Row layout:
 // [VEC/4][G][4] floats (lane-interleaved float4s: conflict-free), or [G].
+// All float4s are read before any is written (G is known only at run time,
+// so the compiler cannot tell the stores from the next reads).
 template <int VEC>
 __device__ __forceinline__ void smem_fma(float* __restrict__ row, int l, int G, float g, const float (&f)[VEC]) {
   if constexpr (VEC >= 4) {
+    float4 x[VEC / 4];
+#pragma unroll
+    for (int h = 0; h < VEC / 4; ++h) x[h] = *reinterpret_cast<const float4*>(row + (h * G + l) * 4);
 #pragma unroll
     for (int h = 0; h < VEC / 4; ++h) {
-      float4* a = reinterpret_cast<float4*>(row + (h * G + l) * 4);
-      float4 x = *a;
-      x.x = fmaf(g, f[4 * h + 0], x.x);
-      x.y = fmaf(g, f[4 * h + 1], x.y);
-      x.z = fmaf(g, f[4 * h + 2], x.z);
-      x.w = fmaf(g, f[4 * h + 3], x.w);
-      *a = x;
+      x[h].x = fmaf(g, f[4 * h + 0], x[h].x);
+      x[h].y = fmaf(g, f[4 * h + 1], x[h].y);
+      x[h].z = fmaf(g, f[4 * h + 2], x[h].z);
+      x[h].w = fmaf(g, f[4 * h + 3], x[h].w);
     }
+#pragma unroll
+    for (int h = 0; h < VEC / 4; ++h) *reinterpret_cast<float4*>(row + (h * G + l) * 4) = x[h];
   } else {
     row[l] = fmaf(g, f[0], row[l]);
+  }
+}
+// Two updates of shared fp32 rows a then b (b may equal a): both rows are
+// read before either is written, so the two read-modify-writes overlap
+// instead of waiting on each other; when b == a, b's update starts from a's
+// result and b's stores land last, the same two roundings in the same order
+// as one after the other (so no __restrict__: the rows may alias).
+template <int VEC>
+__device__ __forceinline__ void smem_fma2(float* ra, float* rb, int l, int G, float ga, const float (&fa)[VEC],
+                                          float gb, const float (&fb)[VEC]) {
+  const bool same = ra == rb;
+  if constexpr (VEC >= 4) {
+    float4 x[VEC / 4], y[VEC / 4];
+#pragma unroll
+    for (int h = 0; h < VEC / 4; ++h) {
+      x[h] = *reinterpret_cast<const float4*>(ra + (h * G + l) * 4);
+      y[h] = *reinterpret_cast<const float4*>(rb + (h * G + l) * 4);
+    }
+#pragma unroll
+    for (int h = 0; h < VEC / 4; ++h) {
+      x[h].x = fmaf(ga, fa[4 * h + 0], x[h].x);
+      x[h].y = fmaf(ga, fa[4 * h + 1], x[h].y);
+      x[h].z = fmaf(ga, fa[4 * h + 2], x[h].z);
+      x[h].w = fmaf(ga, fa[4 * h + 3], x[h].w);
+      y[h].x = fmaf(gb, fb[4 * h + 0], same ? x[h].x : y[h].x);
+      y[h].y = fmaf(gb, fb[4 * h + 1], same ? x[h].y : y[h].y);
+      y[h].z = fmaf(gb, fb[4 * h + 2], same ? x[h].z : y[h].z);
+      y[h].w = fmaf(gb, fb[4 * h + 3], same ? x[h].w : y[h].w);
+    }
+#pragma unroll
+    for (int h = 0; h < VEC / 4; ++h) *reinterpret_cast<float4*>(ra + (h * G + l) * 4) = x[h];
+#pragma unroll
+    for (int h = 0; h < VEC / 4; ++h) *reinterpret_cast<float4*>(rb + (h * G + l) * 4) = y[h];
+  } else {
+    const float x = fmaf(ga, fa[0], ra[l]);
+    const float y = fmaf(gb, fb[0], same ? x : rb[l]);
+    ra[l] = x;
+    rb[l] = y;
   }
 }
 template <int VEC>
@@ -519,13 +561,19 @@ __device__ __forceinline__ void dd_cta(const BwdParams& p, int64_t item) {
     }
     for (int64_t cb = 0; cb < ent; cb += kChunk) {
       // A. entries of this lane: target tile row (-1: none), grad, query row.
+      //    In rounds of independent loads over the lane's kEpt entries (the
+      //    pair, then its query's segment, argmax and grad together, then
+      //    the query row's scale): per entry, one after the other, they were
+      //    kEpt chains of four dependent L2 round trips per chunk.
       int tg[kEpt], qr[kEpt], pos[kEpt];
       float gv[kEpt];
+      int64_t prv[kEpt];
+      int nv[kEpt], iv[kEpt];
 #pragma unroll
       for (int t = 0; t < kEpt; ++t) {
-        tg[t] = -1;
-        qr[t] = 0;
-        gv[t] = 0.f;
+        nv[t] = -1;
+        prv[t] = 0;
+        iv[t] = 0;
         const int64_t e = cb + ((warp * kEpt + t) * 32 + lane);
         if (e < ent) {
           int64_t k;
@@ -540,17 +588,42 @@ __device__ __forceinline__ void dd_cta(const BwdParams& p, int64_t item) {
           }
           int64_t pr, n;
           if (doc_pair(p, j, k, plo, pr, n)) {
-            const int qrows = seg_rows(p.q_start, p.q_len, n, lq, p.Tq);
-            if (ii < qrows) {
-              const int64_t a = (int64_t)am[pr * lq + ii];
-              if (a >= r0 && a < r0 + rlen) {
-                tg[t] = (int)(a - r0);
-                qr[t] = p.q_start[n] + ii;
-                gv[t] = p.q_scale != nullptr ? p.grad[pr] * p.q_scale[qr[t]] : p.grad[pr];
-              }
-            }
+            nv[t] = (int)n;  // n < Nq <= INT_MAX rows
+            prv[t] = pr;
+            iv[t] = ii;
           }
         }
+      }
+      int lenv[kEpt], stv[kEpt], amv[kEpt];
+      float grv[kEpt];
+#pragma unroll
+      for (int t = 0; t < kEpt; ++t) {
+        const bool v = nv[t] >= 0;
+        lenv[t] = v ? p.q_len[nv[t]] : -1;
+        stv[t] = v ? p.q_start[nv[t]] : 0;
+        amv[t] = v ? (int)am[prv[t] * lq + iv[t]] : -1;  // pr < P, ii < lq: in bounds
+        grv[t] = v ? p.grad[prv[t]] : 0.f;
+      }
+#pragma unroll
+      for (int t = 0; t < kEpt; ++t) {
+        tg[t] = -1;
+        qr[t] = 0;
+        gv[t] = 0.f;
+        // seg_rows of the query (same rule), from the loaded (start, len)
+        const int l = lenv[t];
+        const int qrows = l < lq ? l : lq;
+        const bool qok = l >= 0 && (qrows == 0 || (stv[t] >= 0 && (int64_t)stv[t] + qrows <= p.Tq));
+        const int64_t a = amv[t];
+        if (qok && iv[t] < qrows && a >= r0 && a < r0 + rlen) {
+          tg[t] = (int)(a - r0);
+          qr[t] = stv[t] + iv[t];
+          gv[t] = grv[t];
+        }
+      }
+      if (p.q_scale != nullptr) {
+#pragma unroll
+        for (int t = 0; t < kEpt; ++t)
+          if (tg[t] >= 0) gv[t] *= p.q_scale[qr[t]];
       }
       // B. rank of each hit among the earlier hits of the same owner group
       //    in this warp (entry order), with per-warp running counters.
@@ -612,15 +685,25 @@ __device__ __forceinline__ void dd_cta(const BwdParams& p, int64_t item) {
         };
 #pragma unroll
         for (int u = 0; u < kRing; ++u) fetch(x0 + u, u);
+        // Items in pairs (smem_fma2): the shared-row read-modify-writes were
+        // the drain's critical path (H100 ncu, train-128).
+        static_assert(kRing % 2 == 0, "items go in pairs");
         for (int x = x0; x < x1; x += kRing) {
 #pragma unroll
-          for (int u = 0; u < kRing; ++u) {
-            if (x + u < x1) {
+          for (int u = 0; u < kRing; u += 2) {
+            if (x + u + 1 < x1) {
+              float fa[VEC], fb[VEC];
+              V::unpack(buf[u], fa);
+              V::unpack(buf[u + 1], fb);
+              smem_fma2<VEC>(acc + (size_t)q_rr[x + u] * DCf, acc + (size_t)q_rr[x + u + 1] * DCf, l, G,
+                             q_g[x + u], fa, q_g[x + u + 1], fb);
+            } else if (x + u < x1) {
               float f[VEC];
               V::unpack(buf[u], f);
               smem_fma<VEC>(acc + (size_t)q_rr[x + u] * DCf, l, G, q_g[x + u], f);
             }
             fetch(x + kRing + u, u);
+            fetch(x + kRing + u + 1, u + 1);
           }
         }
       }

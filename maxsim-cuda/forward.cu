@@ -393,8 +393,12 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
     p.stream_qsm = g_stream_qsm;
     p.stream_tail = g_stream_tail;
     p.stream_keep = g_stream_keep;
-    p.stream_extent = (g_stream_spec & 1) && Nd > 0 && d.size(0) % Nd == 0 ? d.size(0) / Nd : 0;
-    p.stream_qextent = (g_stream_spec & 2) && Nq > 0 && q.size(0) % Nq == 0 ? q.size(0) / Nq : 0;
+    // Guessed starts only where segment n's id is its position (CROSS and
+    // GROUPED; pair lists name their segments freely), so the kernel needs
+    // no layout test.
+    const bool by_position = layout == kCross || layout == kGrouped;
+    p.stream_extent = by_position && (g_stream_spec & 1) && Nd > 0 && d.size(0) % Nd == 0 ? d.size(0) / Nd : 0;
+    p.stream_qextent = by_position && (g_stream_spec & 2) && Nq > 0 && q.size(0) % Nq == 0 ? q.size(0) / Nq : 0;
     run_stream_any(dtype, p, mean_ld, prop->multiProcessorCount, stream);
     return {scores, argmax};
   }

@@ -196,8 +196,7 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
   const bool ilv = (p.stream_il & 2) != 0 && SP > 1;
   // 16-bit rows of >= 128 bytes (d >= 64) only: at d = 32 the guess cost spills.
   constexpr bool kGuess = !kIsQuant<T> && !RK && KS >= 4;
-  const bool spec = kGuess && live && p.stream_extent > 0 && (ilv || SP == 1) &&
-                    (p.layout == kCrossL || p.layout == kGroupedL);
+  const bool spec = kGuess && live && p.stream_extent > 0 && (ilv || SP == 1);
   const int64_t gds = dn * p.stream_extent;
   // Interleaved: in load w, the quad's four lanes read 64 contiguous bytes
   // (vector 4w + c), so every 32-byte sector of a request is whole.
@@ -231,8 +230,7 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
   // takes part: the guess is CTA-uniform).
   __shared__ uint4 qsh[32 * 256 / 16];
   const bool staged = p.stream_qsm || tail;
-  const bool qspec = kGuess && staged && p.stream_qextent > 0 &&
-                     (p.layout == kCrossL || p.layout == kGroupedL);
+  const bool qspec = kGuess && staged && p.stream_qextent > 0;
   // The CTA's first pair: looked up here only where the guess needs it, so
   // the instantiations without it (8-bit, fused re-score, d = 32) keep their
   // old order of loads (below).

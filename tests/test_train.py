@@ -299,6 +299,41 @@ def test_backward_grid_of_several_waves(ms, dtype):
     assert relerr(D.grad, dd.view(nd, ld, dim)) <= GRAD_TOL[dtype]
 
 
+def test_backward_rows_hit_by_many_tokens(ms, device, dtype):
+    """Every query token picks one of three rows of each document, so dd's
+    queues hold long runs of updates to one row (and rows 5 and 21 share an
+    owner on the GPU): against fp64 sums over the forward's own argmax, and
+    bitwise equal run to run."""
+    gen = torch.Generator().manual_seed(12)
+    nq, nd, lq, ld, dim = 24, 20, 32, 150, 64
+    u = torch.randn(dim, generator=gen)
+    u /= u.norm()
+    Q = torch.randn(nq, lq, dim, generator=gen) * 0.1 + u
+    D = torch.randn(nd, ld, dim, generator=gen) * 0.1
+    for r in (5, 21, 77):
+        D[:, r] += 3 * u
+    Q = Q.to(device=device, dtype=dtype).requires_grad_()
+    D = D.to(device=device, dtype=dtype).requires_grad_()
+    g = torch.randn(nq, nd, generator=gen).to(device)
+    grads = []
+    for _ in range(2):
+        Q.grad = D.grad = None
+        (ms.maxsim(Q, D) * g).sum().backward()
+        grads.append((Q.grad.clone(), D.grad.clone()))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+    offsets = torch.arange(0, nd * ld + 1, ld, device=device)
+    _, am = ms.score_contrastive_with_argmax(Q.detach(), D.detach().reshape(-1, dim), offsets)
+    idx = am.long()                                              # [nq, nd, lq]
+    assert set(idx.unique().tolist()) <= {5, 21, 77} and idx.unique().numel() >= 2
+    Qd, Dd, gd = Q.detach().double(), D.detach().double(), g.double()
+    rows = torch.arange(nd, device=device)[None, :, None] * ld + idx
+    dq = torch.einsum("qn,qnid->qid", gd, Dd.reshape(-1, dim)[rows])
+    dd = torch.zeros(nd * ld, dim, device=device, dtype=torch.float64)
+    dd.index_add_(0, rows.reshape(-1), (gd[:, :, None, None] * Qd[:, None]).reshape(-1, dim))
+    _cmp(Q.grad, dq, dtype)
+    _cmp(D.grad, dd.view(nd, ld, dim), dtype)
+
+
 # ---------------------------------------------------------------------------
 # fp64 on the CPU: the forward is exact in fp64, so torch.autograd.gradcheck
 # can compare the backward kernel against finite differences.
