@@ -16,9 +16,9 @@
 //   grad[p] * d[doc(p) row argmax[p, i]] over its slice of the query's pairs
 //   in pair order; slices are then summed in slice order through shared
 //   memory. Per chunk of PC pairs the CTA stages the pair info (doc row base,
-//   doc rows, grad) and the argmax block [PC, BR] in shared memory; document
-//   rows are loaded with 16-byte vectors through a ring of kRing loads in
-//   flight per lane.
+//   doc rows, grad) and the winners' document rows [PC, BR] in shared
+//   memory; document rows are loaded with 16-byte vectors through a ring of
+//   kRing loads in flight per lane.
 // dd_kernel (a scatter turned into a destination-owned reduction): CTA =
 //   (document j, row part c of C, dim chunk). The document's rows are done in
 //   passes of R rows (rows [R*(c + C*t), +R) in pass t) accumulated in an
@@ -27,9 +27,10 @@
 //   in the pass go, in entry order, to the queue of the lane group owning
 //   that tile row (row % NG) (an ordered compaction: __match_any_sync ranks
 //   within a warp, per-warp counters, owner-major prefix). Each group then
-//   drains its queue: loads the query row (16-byte vectors, kRing in flight)
-//   and adds grad * q into its own tile rows. A tile row is only ever touched
-//   by its owner group, in entry order: no races, fixed summation order.
+//   drains its queue: loads the query row (16-byte vectors, kRingDD in
+//   flight) and adds grad * q into its own tile rows, two queue items at a
+//   time (smem_fma2). A tile row is only ever touched by its owner group, in
+//   entry order: no races, fixed summation order.
 //
 // normalize (torch_binding.h): p.q_scale / p.d_scale hold the inverse row
 // norms; each gathered row's contribution carries its row's scale (dq: the
@@ -55,7 +56,8 @@ constexpr int kThreads = 256;               // both kernels
 constexpr int kWarps = kThreads / 32;
 constexpr int kEpt = 8;                     // dd: entries per lane per chunk
 constexpr int kChunk = kThreads * kEpt;     // dd: entries per chunk
-constexpr int kRing = 8;                    // row loads in flight per lane
+constexpr int kRing = 8;                    // dq: row loads in flight per lane
+constexpr int kRingDD = 8;                  // dd: the same (12 measured slower, H100)
 constexpr int kCrossL = 0, kGroupedL = 1, kListL = 2;
 constexpr int64_t kNoWidth = INT64_MAX;
 
@@ -411,7 +413,7 @@ __device__ __forceinline__ void dq_cta(const BwdParams& p, int64_t item) {
   int* c_ds = reinterpret_cast<int*>(c_pr + PC);      // [PC] doc start row, -1: skip
   int* c_dl = c_ds + PC;                              // [PC] doc rows
   float* c_g = reinterpret_cast<float*>(c_dl + PC);   // [PC] grad
-  int* c_am = reinterpret_cast<int*>(c_g + PC);       // [PC][BR] argmax, -1: skip
+  int* c_am = reinterpret_cast<int*>(c_g + PC);       // [PC][BR] winning doc row (d's row index), -1: skip
 
   float acc[VEC];
 #pragma unroll
@@ -446,7 +448,7 @@ __device__ __forceinline__ void dq_cta(const BwdParams& p, int64_t item) {
         int a = -1;
         if (c_ds[kk] >= 0 && ii < qrows) {
           a = (int)am[c_pr[kk] * lq + ii];
-          if (a >= c_dl[kk]) a = -1;
+          a = a >= c_dl[kk] ? -1 : (a >= 0 ? c_ds[kk] + a : -1);
         }
         c_am[t] = a;
       }
@@ -454,15 +456,17 @@ __device__ __forceinline__ void dq_cta(const BwdParams& p, int64_t item) {
       // This group's slice of the chunk, in pair order.
       const int klo = (int)((int64_t)nk * s / S), khi = (int)((int64_t)nk * (s + 1) / S);
       if (i < qrows && vok) {
-        // Ring of kRing row loads in flight; the grad and the validity of
-        // an item are read back from shared memory when it is consumed.
+        // Ring of kRing row loads in flight. The staged winner is the
+        // document row itself and a slot's validity a bit of `live`, so an
+        // item costs one shared load to fetch and one (its grad) to consume.
         raw_t buf[kRing];
         float bsc[kRing];  // the rows' inverse norms (normalize)
+        unsigned live = 0;
         auto fetch = [&](int kk, int u) {
-          const int a = kk < khi ? c_am[kk * BR + r] : -1;
-          const int64_t row = (int64_t)c_ds[kk] + a;
-          buf[u] = a >= 0 ? V::load(dsrc + row * dim + col) : V::zero();
-          bsc[u] = dsc != nullptr && a >= 0 ? __ldg(dsc + row) : 1.f;
+          const int row = kk < khi ? c_am[kk * BR + r] : -1;
+          buf[u] = row >= 0 ? V::load(dsrc + (int64_t)row * dim + col) : V::zero();
+          bsc[u] = dsc != nullptr && row >= 0 ? __ldg(dsc + row) : 1.f;
+          live = row >= 0 ? live | (1u << u) : live & ~(1u << u);
         };
 #pragma unroll
         for (int u = 0; u < kRing; ++u) fetch(klo + u, u);
@@ -470,7 +474,7 @@ __device__ __forceinline__ void dq_cta(const BwdParams& p, int64_t item) {
 #pragma unroll
           for (int u = 0; u < kRing; ++u) {
             const int k2 = kk + u;
-            if (k2 < khi && c_am[k2 * BR + r] >= 0) {
+            if (live & (1u << u)) {
               const float g = c_g[k2] * bsc[u];
               float f[VEC];
               V::unpack(buf[u], f);
@@ -675,22 +679,22 @@ __device__ __forceinline__ void dd_cta(const BwdParams& p, int64_t item) {
       }
       __syncthreads();
       // E. each group drains its queue into its own tile rows, in order.
-      //    Only the row vectors ride in registers (kRing loads in flight);
+      //    Only the row vectors ride in registers (kRingDD loads in flight);
       //    tile row and grad are read back from the queue when consumed.
       if (vok) {
         const int x0 = qoff[gi], x1 = qoff[gi + 1];
-        raw_t buf[kRing];
+        raw_t buf[kRingDD];
         auto fetch = [&](int x, int u) {
           buf[u] = x < x1 ? V::load(qsrc + (int64_t)q_row[x] * dim + col) : V::zero();
         };
 #pragma unroll
-        for (int u = 0; u < kRing; ++u) fetch(x0 + u, u);
+        for (int u = 0; u < kRingDD; ++u) fetch(x0 + u, u);
         // Items in pairs (smem_fma2): the shared-row read-modify-writes were
         // the drain's critical path (H100 ncu, train-128).
-        static_assert(kRing % 2 == 0, "items go in pairs");
-        for (int x = x0; x < x1; x += kRing) {
+        static_assert(kRingDD % 2 == 0, "items go in pairs");
+        for (int x = x0; x < x1; x += kRingDD) {
 #pragma unroll
-          for (int u = 0; u < kRing; u += 2) {
+          for (int u = 0; u < kRingDD; u += 2) {
             if (x + u + 1 < x1) {
               float fa[VEC], fb[VEC];
               V::unpack(buf[u], fa);
@@ -702,8 +706,8 @@ __device__ __forceinline__ void dd_cta(const BwdParams& p, int64_t item) {
               V::unpack(buf[u], f);
               smem_fma<VEC>(acc + (size_t)q_rr[x + u] * DCf, l, G, q_g[x + u], f);
             }
-            fetch(x + kRing + u, u);
-            fetch(x + kRing + u + 1, u + 1);
+            fetch(x + kRingDD + u, u);
+            fetch(x + kRingDD + u + 1, u + 1);
           }
         }
       }
