@@ -262,17 +262,40 @@ def test_one_sided_grads(ms, device, which, with_qmask):
         assert Q.grad is None and relerr(D.grad, gd) <= GRAD_TOL[torch.float32]
 
 
-def test_backward_is_deterministic(ms, device, dtype):
-    gen = torch.Generator().manual_seed(9)
-    Q = rand(8, 32, 64, dtype=dtype, device=device, gen=gen).requires_grad_()
-    D = rand(8, 40, 64, dtype=dtype, device=device, gen=gen).requires_grad_()
-    g = torch.randn(8, 8, generator=gen).to(device)
+def _backward_twice(ms, Q, D, g):
+    """Two backward passes of maxsim(Q, D) weighted by g: bitwise equal."""
     grads = []
     for _ in range(2):
         Q.grad = D.grad = None
         (ms.maxsim(Q, D) * g).sum().backward()
         grads.append((Q.grad.clone(), D.grad.clone()))
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+def _grads_over_own_argmax(ms, Q, D, g):
+    """fp64 dq, dd of Q [nq, lq, dim] x D [nd, ld, dim] summed over the
+    forward's own argmax (so near-ties cannot move the reference), and that
+    argmax [nq, nd, lq]."""
+    nq, lq, dim = Q.shape
+    nd, ld = D.shape[:2]
+    dev = Q.device
+    offsets = torch.arange(0, nd * ld + 1, ld, device=dev)
+    _, am = ms.score_contrastive_with_argmax(Q.detach(), D.detach().reshape(-1, dim), offsets)
+    idx = am.long()
+    Qd, Dd, gd = Q.detach().double(), D.detach().double(), g.double()
+    rows = torch.arange(nd, device=dev)[None, :, None] * ld + idx
+    dq = torch.einsum("qn,qnid->qid", gd, Dd.reshape(-1, dim)[rows])
+    dd = torch.zeros(nd * ld, dim, device=dev, dtype=torch.float64)
+    dd.index_add_(0, rows.reshape(-1), (gd[:, :, None, None] * Qd[:, None]).reshape(-1, dim))
+    return idx, dq, dd.view(nd, ld, dim)
+
+
+def test_backward_is_deterministic(ms, device, dtype):
+    gen = torch.Generator().manual_seed(9)
+    Q = rand(8, 32, 64, dtype=dtype, device=device, gen=gen).requires_grad_()
+    D = rand(8, 40, 64, dtype=dtype, device=device, gen=gen).requires_grad_()
+    g = torch.randn(8, 8, generator=gen).to(device)
+    _backward_twice(ms, Q, D, g)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused CUDA backward grid")
@@ -287,16 +310,9 @@ def test_backward_grid_of_several_waves(ms, dtype):
     D = torch.randn(nd, ld, dim, device="cuda", generator=gen).to(dtype).requires_grad_()
     g = torch.randn(nq, nd, device="cuda", generator=gen)
     (ms.maxsim(Q, D) * g).sum().backward()
-    offsets = torch.arange(0, nd * ld + 1, ld, device="cuda")
-    _, am = ms.score_contrastive_with_argmax(Q.detach(), D.detach().reshape(-1, dim), offsets)
-    idx = am.long()                                              # [nq, nd, lq]
-    Qd, Dd, gd = Q.detach().double(), D.detach().double(), g.double()
-    rows = torch.arange(nd, device="cuda")[None, :, None] * ld + idx
-    dq = torch.einsum("qn,qnid->qid", gd, Dd.reshape(-1, dim)[rows])
-    dd = torch.zeros(nd * ld, dim, device="cuda", dtype=torch.float64)
-    dd.index_add_(0, rows.reshape(-1), (gd[:, :, None, None] * Qd[:, None]).reshape(-1, dim))
+    _, dq, dd = _grads_over_own_argmax(ms, Q, D, g)
     assert relerr(Q.grad, dq) <= GRAD_TOL[dtype]
-    assert relerr(D.grad, dd.view(nd, ld, dim)) <= GRAD_TOL[dtype]
+    assert relerr(D.grad, dd) <= GRAD_TOL[dtype]
 
 
 def test_backward_rows_hit_by_many_tokens(ms, device, dtype):
@@ -315,23 +331,11 @@ def test_backward_rows_hit_by_many_tokens(ms, device, dtype):
     Q = Q.to(device=device, dtype=dtype).requires_grad_()
     D = D.to(device=device, dtype=dtype).requires_grad_()
     g = torch.randn(nq, nd, generator=gen).to(device)
-    grads = []
-    for _ in range(2):
-        Q.grad = D.grad = None
-        (ms.maxsim(Q, D) * g).sum().backward()
-        grads.append((Q.grad.clone(), D.grad.clone()))
-    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
-    offsets = torch.arange(0, nd * ld + 1, ld, device=device)
-    _, am = ms.score_contrastive_with_argmax(Q.detach(), D.detach().reshape(-1, dim), offsets)
-    idx = am.long()                                              # [nq, nd, lq]
+    _backward_twice(ms, Q, D, g)
+    idx, dq, dd = _grads_over_own_argmax(ms, Q, D, g)
     assert set(idx.unique().tolist()) <= {5, 21, 77} and idx.unique().numel() >= 2
-    Qd, Dd, gd = Q.detach().double(), D.detach().double(), g.double()
-    rows = torch.arange(nd, device=device)[None, :, None] * ld + idx
-    dq = torch.einsum("qn,qnid->qid", gd, Dd.reshape(-1, dim)[rows])
-    dd = torch.zeros(nd * ld, dim, device=device, dtype=torch.float64)
-    dd.index_add_(0, rows.reshape(-1), (gd[:, :, None, None] * Qd[:, None]).reshape(-1, dim))
     _cmp(Q.grad, dq, dtype)
-    _cmp(D.grad, dd.view(nd, ld, dim), dtype)
+    _cmp(D.grad, dd, dtype)
 
 
 # ---------------------------------------------------------------------------
