@@ -200,15 +200,18 @@ __device__ __forceinline__ void store_out(O* __restrict__ p, const float (&f)[VE
 
 // Rows of segment n the forward read (at most `width`), or -1 if the segment
 // is invalid (len < 0, or rows outside the tensor). Same rule as the CPU
-// backend's seg_rows and the forward's query_ok / doc_ok.
+// backend's seg_rows and the forward's query_ok / doc_ok. seg_rows_of takes
+// the segment's (len, start) already loaded; seg_rows loads them.
+__device__ __forceinline__ int seg_rows_of(int64_t len, int64_t start, int64_t width, int64_t total) {
+  if (len < 0) return -1;
+  const int64_t r = len < width ? len : width;
+  if (r > 0 && (start < 0 || start + r > total)) return -1;
+  return (int)r;
+}
 __device__ __forceinline__ int seg_rows(const int* __restrict__ start, const int* __restrict__ len, int64_t n,
                                         int64_t width, int64_t total) {
   const int64_t l = len[n];
-  if (l < 0) return -1;
-  const int64_t r = l < width ? l : width;
-  const int64_t s = start[n];
-  if (r > 0 && (s < 0 || s + r > total)) return -1;
-  return (int)r;
+  return l < 0 ? -1 : seg_rows_of(l, start[n], width, total);
 }
 
 __device__ __forceinline__ int64_t clamp_row(int64_t s, int64_t total) { return s < 0 ? 0 : (s > total ? total : s); }
@@ -298,6 +301,14 @@ __device__ __forceinline__ bool doc_pair(const BwdParams& p, int64_t j, int64_t 
   return pr >= 0 && pr < p.P && n >= 0 && n < p.Nq;
 }
 
+// g * f[4h .. 4h + 3] + base (f indexed in place: a pointer into it would
+// put the caller's register array in local memory).
+template <int VEC>
+__device__ __forceinline__ float4 fma4(float g, const float (&f)[VEC], int h, float4 base) {
+  return make_float4(fmaf(g, f[4 * h + 0], base.x), fmaf(g, f[4 * h + 1], base.y), fmaf(g, f[4 * h + 2], base.z),
+                     fmaf(g, f[4 * h + 3], base.w));
+}
+
 // acc += g * f on one lane's VEC floats of a shared fp32 row. Row layout:
 // [VEC/4][G][4] floats (lane-interleaved float4s: conflict-free), or [G].
 // All float4s are read before any is written (G is known only at run time,
@@ -309,12 +320,7 @@ __device__ __forceinline__ void smem_fma(float* __restrict__ row, int l, int G, 
 #pragma unroll
     for (int h = 0; h < VEC / 4; ++h) x[h] = *reinterpret_cast<const float4*>(row + (h * G + l) * 4);
 #pragma unroll
-    for (int h = 0; h < VEC / 4; ++h) {
-      x[h].x = fmaf(g, f[4 * h + 0], x[h].x);
-      x[h].y = fmaf(g, f[4 * h + 1], x[h].y);
-      x[h].z = fmaf(g, f[4 * h + 2], x[h].z);
-      x[h].w = fmaf(g, f[4 * h + 3], x[h].w);
-    }
+    for (int h = 0; h < VEC / 4; ++h) x[h] = fma4(g, f, h, x[h]);
 #pragma unroll
     for (int h = 0; h < VEC / 4; ++h) *reinterpret_cast<float4*>(row + (h * G + l) * 4) = x[h];
   } else {
@@ -339,14 +345,8 @@ __device__ __forceinline__ void smem_fma2(float* ra, float* rb, int l, int G, fl
     }
 #pragma unroll
     for (int h = 0; h < VEC / 4; ++h) {
-      x[h].x = fmaf(ga, fa[4 * h + 0], x[h].x);
-      x[h].y = fmaf(ga, fa[4 * h + 1], x[h].y);
-      x[h].z = fmaf(ga, fa[4 * h + 2], x[h].z);
-      x[h].w = fmaf(ga, fa[4 * h + 3], x[h].w);
-      y[h].x = fmaf(gb, fb[4 * h + 0], same ? x[h].x : y[h].x);
-      y[h].y = fmaf(gb, fb[4 * h + 1], same ? x[h].y : y[h].y);
-      y[h].z = fmaf(gb, fb[4 * h + 2], same ? x[h].z : y[h].z);
-      y[h].w = fmaf(gb, fb[4 * h + 3], same ? x[h].w : y[h].w);
+      x[h] = fma4(ga, fa, h, x[h]);
+      y[h] = fma4(gb, fb, h, same ? x[h] : y[h]);
     }
 #pragma unroll
     for (int h = 0; h < VEC / 4; ++h) *reinterpret_cast<float4*>(ra + (h * G + l) * 4) = x[h];
@@ -613,12 +613,9 @@ __device__ __forceinline__ void dd_cta(const BwdParams& p, int64_t item) {
         tg[t] = -1;
         qr[t] = 0;
         gv[t] = 0.f;
-        // seg_rows of the query (same rule), from the loaded (start, len)
-        const int l = lenv[t];
-        const int qrows = l < lq ? l : lq;
-        const bool qok = l >= 0 && (qrows == 0 || (stv[t] >= 0 && (int64_t)stv[t] + qrows <= p.Tq));
+        const int qrows = seg_rows_of(lenv[t], stv[t], lq, p.Tq);  // -1: invalid query
         const int64_t a = amv[t];
-        if (qok && iv[t] < qrows && a >= r0 && a < r0 + rlen) {
+        if (iv[t] < qrows && a >= r0 && a < r0 + rlen) {
           tg[t] = (int)(a - r0);
           qr[t] = stv[t] + iv[t];
           gv[t] = grv[t];
