@@ -58,6 +58,7 @@ constexpr int kEpt = 8;                     // dd: entries per lane per chunk
 constexpr int kChunk = kThreads * kEpt;     // dd: entries per chunk
 constexpr int kRing = 8;                    // dq: row loads in flight per lane
 constexpr int kRingDD = 8;                  // dd: the same (12 measured slower, H100)
+constexpr int kAmRound = 8;                 // dq staging: argmax loads in flight per thread
 constexpr int kCrossL = 0, kGroupedL = 1, kListL = 2;
 constexpr int64_t kNoWidth = INT64_MAX;
 
@@ -409,9 +410,9 @@ __device__ __forceinline__ void dq_cta(const BwdParams& p, int64_t item) {
   const int r = gi & (BR - 1), s = gi >> p.lgBR;
   const int i = b * BR + r;  // query row of this group
 
-  int64_t* c_pr = reinterpret_cast<int64_t*>(smem);  // [PC] pair id
+  int64_t* c_pr = reinterpret_cast<int64_t*>(smem);  // [PC] pair id, -1: invalid (LIST only)
   int* c_ds = reinterpret_cast<int*>(c_pr + PC);      // [PC] doc start row, -1: skip
-  int* c_dl = c_ds + PC;                              // [PC] doc rows
+  int* c_dl = c_ds + PC;                              // [PC] doc rows (0: skip)
   float* c_g = reinterpret_cast<float*>(c_dl + PC);   // [PC] grad
   int* c_am = reinterpret_cast<int*>(c_g + PC);       // [PC][BR] winning doc row (d's row index), -1: skip
 
@@ -422,35 +423,56 @@ __device__ __forceinline__ void dq_cta(const BwdParams& p, int64_t item) {
   if (qrows > b * BR) {  // CTA-uniform: this block has rows to own
     int64_t lo;
     const int64_t np = query_pairs(p, n, lo);
+    // CROSS / GROUPED pairs are n * stride + k (always valid); LIST pairs
+    // are looked up (phase 1) before their winners can be loaded.
+    const bool listed = p.layout == kListL;
+    const int64_t stride = p.layout == kCrossL ? p.Nd : p.K;
     for (int64_t k0 = 0; k0 < np; k0 += PC) {
       const int nk = (int)(np - k0 < PC ? np - k0 : PC);
       __syncthreads();  // the previous chunk is consumed
+      // 1. Each pair's (doc start, rows, grad), the loads side by side.
       for (int t = tid; t < nk; t += kThreads) {
         int64_t pr = 0, m = 0;
         int ds = -1, dl = 0;
         float g = 0.f;
-        if (query_pair(p, n, k0 + t, lo, pr, m)) {
-          const int rows = seg_rows(p.d_start, p.d_len, m, kNoWidth, p.Td);
+        const bool ok = query_pair(p, n, k0 + t, lo, pr, m);
+        if (ok) {
+          const int64_t l = p.d_len[m], st = p.d_start[m];
+          g = p.grad[pr];
+          const int rows = seg_rows_of(l, st, kNoWidth, p.Td);
           if (rows > 0) {
-            ds = p.d_start[m];
+            ds = (int)st;
             dl = rows;
-            g = p.grad[pr];
           }
         }
-        c_pr[t] = pr;
+        if (listed) c_pr[t] = ok ? pr : -1;
         c_ds[t] = ds;
         c_dl[t] = dl;
         c_g[t] = g;
       }
-      __syncthreads();
-      for (int t = tid; t < nk * BR; t += kThreads) {
-        const int kk = t >> p.lgBR, ii = b * BR + (t & (BR - 1));
-        int a = -1;
-        if (c_ds[kk] >= 0 && ii < qrows) {
-          a = (int)am[c_pr[kk] * lq + ii];
-          a = a >= c_dl[kk] ? -1 : (a >= 0 ? c_ds[kk] + a : -1);
+      if (listed) __syncthreads();  // CTA-uniform
+      // 2. The winners' indices, kAmRound loads in flight per thread (for
+      //    CROSS / GROUPED at the same time as phase 1's).
+      const int ne = nk * BR;
+      for (int t0 = tid; t0 < ne; t0 += kAmRound * kThreads) {
+        int a[kAmRound];
+#pragma unroll
+        for (int u = 0; u < kAmRound; ++u) {
+          const int t = t0 + u * kThreads;
+          const int kk = t >> p.lgBR, ii = b * BR + (t & (BR - 1));
+          const int64_t pr = t < ne ? (listed ? c_pr[kk] : n * stride + k0 + kk) : -1;
+          a[u] = pr >= 0 && ii < qrows ? (int)am[pr * lq + ii] : -1;
         }
-        c_am[t] = a;
+#pragma unroll
+        for (int u = 0; u < kAmRound; ++u)
+          if (t0 + u * kThreads < ne) c_am[t0 + u * kThreads] = a[u];
+      }
+      __syncthreads();
+      // 3. Winners become document rows; -1 past the document (or for an
+      //    invalid / empty one: c_dl 0).
+      for (int t = tid; t < ne; t += kThreads) {
+        const int a = c_am[t], kk = t >> p.lgBR;
+        c_am[t] = a < 0 || a >= c_dl[kk] ? -1 : c_ds[kk] + a;
       }
       __syncthreads();
       // This group's slice of the chunk, in pair order.
