@@ -338,6 +338,64 @@ def test_backward_rows_hit_by_many_tokens(ms, device, dtype):
     _cmp(D.grad, dd, dtype)
 
 
+@pytest.mark.parametrize("layout", ["cross", "grouped", "pairs"])
+def test_backward_queries_with_many_pairs(ms, device, dtype, layout):
+    """A query with more pairs than dq stages at once (at most 512 per chunk
+    on the GPU): several chunks, the last one partial, for every layout; a
+    pair list adds empty documents, repeated pairs and a query with none.
+    Against fp64 sums over the forward's own argmax."""
+    gen = torch.Generator().manual_seed(31)
+    nq, lq, ld, dim, n = 3, 32, 4, 16, 1300
+    if layout == "pairs":
+        nd = 40
+        qlen = torch.tensor([lq, 7, 5])
+        dlen = torch.randint(0, ld + 1, (nd,), generator=gen)
+        dlen[[3, 17]] = 0
+        pq = torch.cat([torch.zeros(n, dtype=torch.long), torch.ones(3, dtype=torch.long)])
+        pd = torch.randint(0, nd, (n + 3,), generator=gen)
+        qoff = torch.cat([torch.zeros(1, dtype=torch.long), qlen.cumsum(0)])
+        doff = torch.cat([torch.zeros(1, dtype=torch.long), dlen.cumsum(0)])
+        q = rand(int(qoff[-1]), dim, dtype=dtype, device=device, gen=gen).requires_grad_()
+        d = rand(int(doff[-1]), dim, dtype=dtype, device=device, gen=gen).requires_grad_()
+        args = (qoff.to(device), d, doff.to(device), pq.to(device), pd.to(device))
+        g = torch.randn(n + 3, generator=gen, dtype=torch.float64)
+        (ms.score_pairs_packed_train(q, *args, max_query_length=lq) * g.to(device)).sum().backward()
+        _, am = ms.score_pairs_packed_with_argmax(q.detach(), args[0], d.detach(), *args[2:], max_query_length=lq)
+        qi = (qoff[pq][:, None] + torch.arange(lq)).clamp(max=int(qoff[-1]) - 1)  # [P, lq] query rows
+        di = doff[pd][:, None] + am.long().cpu()  # [P, lq] document rows
+        gq = g[:, None].expand(-1, lq)
+        X, Y = q, d
+    else:
+        X = rand(nq, lq, dim, dtype=dtype, device=device, gen=gen).requires_grad_()
+        shape = (n, ld, dim) if layout == "cross" else (nq, n, ld, dim)
+        Y = rand(*shape, dtype=dtype, device=device, gen=gen).requires_grad_()
+        g = torch.randn(nq, n, generator=gen, dtype=torch.float64)
+        if layout == "cross":
+            (ms.maxsim(X, Y) * g.to(device)).sum().backward()
+            offsets = torch.arange(0, n * ld + 1, ld, device=device)
+            _, am = ms.score_contrastive_with_argmax(X.detach(), Y.detach().reshape(-1, dim), offsets)
+            base = torch.arange(n)[None, :, None] * ld
+        else:
+            (ms.score_candidates_padded_train(X, Y) * g.to(device)).sum().backward()
+            _, am = ms.score_candidates_padded_with_argmax(X.detach(), Y.detach())
+            base = (torch.arange(nq)[:, None, None] * n + torch.arange(n)[None, :, None]) * ld
+        qi = (torch.arange(nq)[:, None, None] * lq + torch.arange(lq)).expand(nq, n, lq)
+        di = base + am.long().cpu()
+        gq = g[:, :, None].expand(nq, n, lq)
+    Xd, Yd = X.detach().double().cpu().reshape(-1, dim), Y.detach().double().cpu().reshape(-1, dim)
+    sel = am.long().cpu() >= 0
+    if layout == "pairs":
+        sel &= torch.arange(lq)[None, :] < qlen[pq][:, None]
+    qi, di, w = qi[sel], di[sel], gq[sel]
+    dq = torch.zeros_like(Xd).index_add_(0, qi, w[:, None] * Yd[di])
+    dd = torch.zeros_like(Yd).index_add_(0, di, w[:, None] * Xd[qi])
+    assert sel.float().mean() > 0.5  # most query tokens have a winner
+    _cmp(X.grad.reshape(-1, dim), dq, dtype)
+    _cmp(Y.grad.reshape(-1, dim), dd, dtype)
+    if layout == "pairs":  # query 2 is in no pair: exactly zero
+        assert not X.grad[int(qoff[2]):].any()
+
+
 # ---------------------------------------------------------------------------
 # fp64 on the CPU: the forward is exact in fp64, so torch.autograd.gradcheck
 # can compare the backward kernel against finite differences.
