@@ -343,7 +343,8 @@ def test_backward_queries_with_many_pairs(ms, device, dtype, layout):
     """A query with more pairs than dq stages at once (at most 512 per chunk
     on the GPU): several chunks, the last one partial, for every layout; a
     pair list adds empty documents, repeated pairs and a query with none.
-    Against fp64 sums over the forward's own argmax."""
+    Against fp64 sums over the forward's own argmax (CROSS through
+    _grads_over_own_argmax; the other layouts by their winners' rows)."""
     gen = torch.Generator().manual_seed(31)
     nq, lq, ld, dim, n = 3, 32, 4, 16, 1300
     if layout == "pairs":
@@ -365,20 +366,22 @@ def test_backward_queries_with_many_pairs(ms, device, dtype, layout):
         di = doff[pd][:, None] + am.long().cpu()  # [P, lq] document rows
         gq = g[:, None].expand(-1, lq)
         X, Y = q, d
+    elif layout == "cross":
+        X = rand(nq, lq, dim, dtype=dtype, device=device, gen=gen).requires_grad_()
+        Y = rand(n, ld, dim, dtype=dtype, device=device, gen=gen).requires_grad_()
+        g = torch.randn(nq, n, generator=gen).to(device)
+        (ms.maxsim(X, Y) * g).sum().backward()
+        _, dq, dd = _grads_over_own_argmax(ms, X, Y, g)
+        _cmp(X.grad, dq, dtype)
+        _cmp(Y.grad, dd, dtype)
+        return
     else:
         X = rand(nq, lq, dim, dtype=dtype, device=device, gen=gen).requires_grad_()
-        shape = (n, ld, dim) if layout == "cross" else (nq, n, ld, dim)
-        Y = rand(*shape, dtype=dtype, device=device, gen=gen).requires_grad_()
+        Y = rand(nq, n, ld, dim, dtype=dtype, device=device, gen=gen).requires_grad_()
         g = torch.randn(nq, n, generator=gen, dtype=torch.float64)
-        if layout == "cross":
-            (ms.maxsim(X, Y) * g.to(device)).sum().backward()
-            offsets = torch.arange(0, n * ld + 1, ld, device=device)
-            _, am = ms.score_contrastive_with_argmax(X.detach(), Y.detach().reshape(-1, dim), offsets)
-            base = torch.arange(n)[None, :, None] * ld
-        else:
-            (ms.score_candidates_padded_train(X, Y) * g.to(device)).sum().backward()
-            _, am = ms.score_candidates_padded_with_argmax(X.detach(), Y.detach())
-            base = (torch.arange(nq)[:, None, None] * n + torch.arange(n)[None, :, None]) * ld
+        (ms.score_candidates_padded_train(X, Y) * g.to(device)).sum().backward()
+        _, am = ms.score_candidates_padded_with_argmax(X.detach(), Y.detach())
+        base = (torch.arange(nq)[:, None, None] * n + torch.arange(n)[None, :, None]) * ld
         qi = (torch.arange(nq)[:, None, None] * lq + torch.arange(lq)).expand(nq, n, lq)
         di = base + am.long().cpu()
         gq = g[:, :, None].expand(nq, n, lq)
