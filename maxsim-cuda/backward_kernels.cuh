@@ -248,6 +248,11 @@ __device__ __forceinline__ void zero_gap(O* __restrict__ out, const int* __restr
   if (n == 0) zero_rows<O, VEC>(out, dim, 0, clamp_row(start[0], total), first, stride, col, vok);
 }
 
+// CROSS / GROUPED pair k of query n is n * positional_stride(p) + k.
+__device__ __forceinline__ int64_t positional_stride(const BwdParams& p) {
+  return p.layout == kCrossL ? p.Nd : p.K;
+}
+
 // Pairs of query n: count, and pair k -> (pair id, doc id). False: skip.
 __device__ __forceinline__ int64_t query_pairs(const BwdParams& p, int64_t n, int64_t& lo) {
   lo = 0;
@@ -262,10 +267,10 @@ __device__ __forceinline__ int64_t query_pairs(const BwdParams& p, int64_t n, in
 __device__ __forceinline__ bool query_pair(const BwdParams& p, int64_t n, int64_t k, int64_t lo, int64_t& pr,
                                            int64_t& m) {
   if (p.layout == kCrossL) {
-    pr = n * p.Nd + k;
+    pr = n * positional_stride(p) + k;
     m = k;
   } else if (p.layout == kGroupedL) {
-    pr = n * p.K + k;
+    pr = n * positional_stride(p) + k;
     m = pr;
   } else {
     pr = p.q_pairs[lo + k];
@@ -423,10 +428,10 @@ __device__ __forceinline__ void dq_cta(const BwdParams& p, int64_t item) {
   if (qrows > b * BR) {  // CTA-uniform: this block has rows to own
     int64_t lo;
     const int64_t np = query_pairs(p, n, lo);
-    // CROSS / GROUPED pairs are n * stride + k (always valid); LIST pairs
+    // CROSS / GROUPED pair ids are positional (always valid); LIST pairs
     // are looked up (phase 1) before their winners can be loaded.
     const bool listed = p.layout == kListL;
-    const int64_t stride = p.layout == kCrossL ? p.Nd : p.K;
+    const int64_t stride = positional_stride(p);
     for (int64_t k0 = 0; k0 < np; k0 += PC) {
       const int nk = (int)(np - k0 < PC ? np - k0 : PC);
       __syncthreads();  // the previous chunk is consumed
