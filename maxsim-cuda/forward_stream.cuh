@@ -248,6 +248,9 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
   int qs = 0, ql = 0, ds = 0, dl = 0;
   const bool qok = live && query_ok(p, n, qs, ql);
   const bool ok = live && doc_ok(p, dn, ds, dl) && qok;
+  // The staged query's segment, beside the pair's own (one round trip).
+  int qs0 = 0, ql0 = 0;
+  bool q0ok = kGuess && staged && query_ok(p, n0, qs0, ql0);
   // The guess held if the segment starts there and ends within the guessed
   // extent (rows past its end were read but are masked like any tail).
   const bool guessed = spec && ok && ds == gds && dl <= p.stream_extent;
@@ -302,9 +305,10 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
   // first tiles are already in flight.
   bool from_sh = false;
   if (staged) {
-    if (!kGuess) first_pair();
-    int qs0, ql0;
-    const bool q0ok = query_ok(p, n0, qs0, ql0);
+    if (!kGuess) {
+      first_pair();
+      q0ok = query_ok(p, n0, qs0, ql0);
+    }
     if (qspec && n0 < p.Nq) cp_async_wait_all();  // drained either way before qsh is rewritten
     if (q0ok) {
       // The guess held if the segment starts there with no more rows than
