@@ -180,13 +180,23 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
   // their warps.
   const bool tail = blockIdx.x >= p.stream_head_blocks;
   const int SP = tail ? kStreamWarps : p.stream_split;  // warps per pair: 1, 2 or 4
+  // Shifts, not divisions, by SP: every instruction before the first load
+  // below delays a new CTA's first DRAM request (a generic division is ~40
+  // dependent instructions).
+  const int lgSP = __ffs(SP) - 1;
   const int part = warp & (SP - 1);
+  const int64_t per = kStreamWarps >> lgSP;  // pairs per CTA
   const int64_t pr = tail ? (p.P - p.stream_tail) + (blockIdx.x - p.stream_head_blocks)
-                          : (int64_t)blockIdx.x * (kStreamWarps / SP) + warp / SP;
+                          : (int64_t)blockIdx.x * per + (warp >> lgSP);
   const bool live = pr < (tail ? p.P : p.P - p.stream_tail);
   // Warps past the last pair stay to the end: the CTA meets at barriers.
-  int64_t n = 0, dn = 0;
-  if (live) pair_ids(p, pr, n, dn);
+  // One query against documents, or candidates: the document id is the
+  // pair's, so the guessed loads below wait for no division; the query id
+  // (a division for candidates) is worked out after them.
+  const bool by_pos = p.layout == kGroupedL || (p.layout == kCrossL && p.Nq == 1);
+  auto query_of = [&](int64_t x) -> int64_t { return p.layout == kGroupedL ? x / p.K : 0; };
+  int64_t n = 0, dn = pr;
+  if (live && !by_pos) pair_ids(p, pr, n, dn);
   const int64_t rb = p.row_bytes;
   // A warp's first tiles do not depend on the document's length when it
   // starts at tile `part` (interleaved split or one warp per pair), so with
@@ -226,6 +236,7 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
       }
     }
   }
+  if (live && by_pos) n = query_of(pr);
   // The CTA's staged query rows, guessed the same way (every warp of the CTA
   // takes part: the guess is CTA-uniform).
   __shared__ uint4 qsh[32 * 256 / 16];
@@ -235,7 +246,15 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
   // the instantiations without it (8-bit, fused re-score, d = 32) keep their
   // old order of loads (below).
   int64_t n0 = 0, dn0 = 0;
-  auto first_pair = [&] { pair_ids(p, tail ? pr : (int64_t)blockIdx.x * (kStreamWarps / SP), n0, dn0); };
+  auto first_pair = [&] {
+    const int64_t pr0 = tail ? pr : (int64_t)blockIdx.x * per;
+    if (live && pr0 == pr)
+      n0 = n;
+    else if (by_pos)
+      n0 = query_of(pr0);
+    else
+      pair_ids(p, pr0, n0, dn0);
+  };
   if (kGuess && staged) first_pair();
   const int64_t gq0 = n0 * p.stream_qextent;
   const int qrows = (int)min((int64_t)p.lq, p.stream_qextent);
@@ -258,7 +277,7 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
   // This warp's tiles of the pair: a contiguous range, or (stream_il bit 1)
   // every SP-th tile from tile `part`, so the pair's warps read adjacent
   // tiles at any moment.
-  const int tchunk = (ntile + SP - 1) / SP;
+  const int tchunk = (ntile + SP - 1) >> lgSP;
   const int tb = ilv ? part : min(ntile, part * tchunk), te = ilv ? ntile : min(ntile, tb + tchunk);
   float2 dsc[SC && !DS ? U : 1];  // doc-token scales of columns 2c, 2c + 1 (8-bit)
   // One scale per document (the caller's promise): applied to the row sum's
@@ -492,8 +511,8 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
     if (lane == 0 && live) p.scores[pr] = ok ? sum : __int_as_float(0x7fc00000);
   }
   if constexpr (RK) {  // kKeysL with the fused top-k (the whole CTA)
-    const int64_t lo = tail ? pr : (int64_t)blockIdx.x * (kStreamWarps / SP);
-    const int64_t hi = tail ? pr + 1 : min(lo + kStreamWarps / SP, p.P - p.stream_tail);
+    const int64_t lo = tail ? pr : (int64_t)blockIdx.x * per;
+    const int64_t hi = tail ? pr + 1 : min(lo + per, p.P - p.stream_tail);
     rank_rows(p, lo, hi, reinterpret_cast<long long*>(qsh));
   }
 #endif
