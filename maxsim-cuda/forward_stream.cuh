@@ -14,9 +14,11 @@
 // tokens -0.6 %, the rest level; session 24). Their row maxima combine
 // through shared memory; max is order-free, so every S gives the same bits.
 // A grid of several waves takes its last pairs at S = 4, one per CTA, so it
-// ends on short tasks. The query's A fragments stay in registers; document
-// tokens are loaded straight into B fragments, 8 tokens (one m16n8k16 n
-// tile) per step, U steps in flight.
+// ends on short tasks; few pairs of long documents (<= one CTA per SM) take
+// CTAs of 8 warps, one pair each, halving each warp's chain of loads. The
+// query's A fragments stay in registers; document tokens are loaded straight
+// into B fragments, 8 tokens (one m16n8k16 n tile) per step, U steps in
+// flight.
 // The trick that makes the loads coalesced 16-byte vectors: a dot product
 // does not care about the order of k, so lane (g, c) (g = lane / 4,
 // c = lane % 4) takes W = row bytes / 64 vectors of token g of the step --
@@ -42,6 +44,10 @@ namespace maxsim {
 namespace cuda_fwd {
 
 constexpr int kStreamWarps = 4;  // warps (pairs) per CTA
+// Few pairs of 16-bit rows at d = 64 / 128: one pair per CTA of this many
+// warps, so each warp's chain of dependent tile loads is half as long
+// (launch_stream_mt).
+constexpr int kStreamWideWarps = 8;
 // n tiles (8 tokens each) in flight per warp: 8 KB of 16-bit tokens at dim
 // 128; 8-bit rows of <= 128 bytes keep twice the tiles (same bytes, and the
 // registers of wider 8-bit rows would spill).
@@ -161,10 +167,12 @@ __device__ __forceinline__ void rank_rows(const FwdParams& p, int64_t lo, int64_
 
 // KS: k steps (row bytes / 32); MT: m tiles of 16 query rows (lq <= 16 * MT);
 // RK: the fused top-k of rescore_topk (rank_rows; 16-bit tokens only); DS:
-// 8-bit rows with one scale per document (p.d_scale_per_doc).
-template <typename T, int KS, int MT, bool RK, bool DS>
-__global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const FwdParams p) {
+// 8-bit rows with one scale per document (p.d_scale_per_doc); NW: warps
+// per CTA (kStreamWideWarps: one pair per CTA, p.stream_split = NW).
+template <typename T, int KS, int MT, bool RK, bool DS, int NW = kStreamWarps>
+__global__ void __launch_bounds__(NW * 32) stream_fwd_kernel(const FwdParams p) {
 #if MAXSIM_STREAM_DEVICE
+  static_assert(NW == kStreamWarps || !RK, "the fused top-k ranks kRankMax keys per CTA");
   pdl_wait();
   constexpr bool SC = kIsQuant<T>;
   // int8 with one scale per document: the scale is common to a row's columns
@@ -176,16 +184,15 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
   constexpr int U = kStreamU<T, KS>;
   constexpr int W = KS / 2;  // 16-byte vectors per lane per row
   const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, warp = threadIdx.x >> 5;
-  // Head CTAs: kStreamWarps / SP pairs each; tail CTAs: one pair over all
-  // their warps.
+  // Head CTAs: NW / SP pairs each; tail CTAs: one pair over all their warps.
   const bool tail = blockIdx.x >= p.stream_head_blocks;
-  const int SP = tail ? kStreamWarps : p.stream_split;  // warps per pair: 1, 2 or 4
+  const int SP = tail ? NW : p.stream_split;  // warps per pair: 1, 2, 4 (or 8 = NW)
   // Shifts, not divisions, by SP: every instruction before the first load
   // below delays a new CTA's first DRAM request (a generic division is ~40
   // dependent instructions).
   const int lgSP = __ffs(SP) - 1;
   const int part = warp & (SP - 1);
-  const int64_t per = kStreamWarps >> lgSP;  // pairs per CTA
+  const int64_t per = NW >> lgSP;  // pairs per CTA
   const int64_t pr = tail ? (p.P - p.stream_tail) + (blockIdx.x - p.stream_head_blocks)
                           : (int64_t)blockIdx.x * per + (warp >> lgSP);
   const bool live = pr < (tail ? p.P : p.P - p.stream_tail);
@@ -260,7 +267,7 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
   const int qrows = (int)min((int64_t)p.lq, p.stream_qextent);
   if (qspec && n0 < p.Nq) {
     const char* src = p.q + gq0 * rb;
-    for (int x = threadIdx.x; x < qrows * (int)(rb / 16); x += kStreamWarps * 32)
+    for (int x = threadIdx.x; x < qrows * (int)(rb / 16); x += NW * 32)
       cp_async<16>(smem_u32(qsh + x), src + (int64_t)x * 16, true);
     cp_async_commit();
   }
@@ -334,7 +341,7 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
       // were staged (rows past its length are staged but never read).
       if (!(qspec && qs0 == gq0 && ql0 <= qrows)) {
         const uint4* src = reinterpret_cast<const uint4*>(p.q + (int64_t)qs0 * rb);
-        for (int x = threadIdx.x; x < ql0 * (int)(rb / 16); x += kStreamWarps * 32) qsh[x] = __ldg(src + x);
+        for (int x = threadIdx.x; x < ql0 * (int)(rb / 16); x += NW * 32) qsh[x] = __ldg(src + x);
       }
       from_sh = ok && n == n0;
     }
@@ -477,7 +484,7 @@ __global__ void __launch_bounds__(kStreamWarps * 32) stream_fwd_kernel(const Fwd
     }
   bool writer = true;  // the pair's first warp writes its score
   if (SP > 1) {  // the pair's warps combine their row maxima (max is order-free)
-    __shared__ float red[kStreamWarps][32];
+    __shared__ float red[NW][32];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -561,15 +568,54 @@ void run_stream(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st);
 // rows measured no gain from any of the three (search-10k), so they keep
 // S = 1. Either way a grid of several waves ends on split pairs
 // (stream_tail).
+template <typename Kern>
+int stream_blocks_per_sm(Kern kern, int threads) {
+  int b = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kern, threads, 0));
+  return std::max(b, 1);
+}
+
+// Documents read once per call are streamed evict-first, unless they fit
+// well inside L2: then plain loads keep them for the next call (H100, same
+// inputs scored again: 400 documents of 300 tokens, 31 MB, 16.2 -> 11.0 us;
+// document sets past L2 gain nothing and lose 1.5-5 % to plain loads:
+// session 17). Returns whether they fit.
+inline bool stream_fits_l2(const FwdParams& p, int64_t mean_ld) {
+  const int64_t rows = std::min<int64_t>(p.Td, p.P * std::max<int64_t>(mean_ld, 1));
+  const int64_t l2 = at::cuda::getCurrentDeviceProperties()->l2CacheSize;
+  return rows * p.row_bytes * 4 <= l2 * 3;
+}
+
 template <typename T, int KS, int MT, bool RK, bool DS>
 void launch_stream_mt(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st) {
   auto kern = stream_fwd_kernel<T, KS, MT, RK, DS>;
   constexpr bool b16 = !kIsQuant<T>;
-  static const int per_sm = [&] {
-    int b = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kern, kStreamWarps * 32, 0));
-    return std::max(b, 1);
-  }();
+  static const int per_sm = stream_blocks_per_sm(kern, kStreamWarps * 32);
+  // Pairs that fit one wave of 8-warp CTAs (one per SM at d = 128), with
+  // >= 4 tiles per warp: one pair per CTA of kStreamWideWarps warps (16-bit
+  // rows of 128 / 256 bytes). H100, one query, graph us, 4-warp S = 4 ->
+  // 8 warps (session 29): 300 tokens P = 1 6.12 -> 5.49, P = 100 6.48 ->
+  // 6.09, P = 132 6.59 -> 6.38; 1024 tokens P = 1 11.45 -> 8.45, P = 100
+  // 12.21 -> 9.72; 128 tokens (2 tiles per warp) lost 0.1-0.4 us, P = 200
+  // (two waves) 7.4 -> 10.3.
+  if constexpr (b16 && !RK && !DS && (KS == 4 || KS == 8)) {
+    auto wide = stream_fwd_kernel<T, KS, MT, false, false, kStreamWideWarps>;
+    static const int per_sm_wide = stream_blocks_per_sm(wide, kStreamWideWarps * 32);
+    const int64_t wave = (int64_t)per_sm_wide * num_sms;
+    if (p.stream_split == kStreamWideWarps ||
+        (p.stream_split <= 0 && p.P <= wave && (mean_ld + 7) / 8 >= 4 * kStreamWideWarps)) {
+      p.stream_split = kStreamWideWarps;
+      p.stream_tail = 0;
+      p.stream_head_blocks = p.P;
+      MAXSIM_CHECK(p.P <= INT32_MAX, "maxsim: too many pairs (%lld) for one launch", (long long)p.P);
+      if (p.stream_il < 0) p.stream_il = 3;
+      if (p.stream_qsm < 0) p.stream_qsm = 1;
+      p.stream_keep = p.stream_keep > 0 || (p.stream_keep < 0 && stream_fits_l2(p, mean_ld)) ? INT32_MAX : 0;
+      p.stream_multiwave = p.P > wave;
+      launch_pdl(wide, dim3((unsigned)p.P), dim3(kStreamWideWarps * 32), 0, st, p);
+      return;
+    }
+  }
   const int64_t slots = (int64_t)per_sm * kStreamWarps * num_sms;
   if (p.stream_split <= 0) {
     const int64_t ntile = (mean_ld + 7) / 8;
@@ -609,16 +655,7 @@ void launch_stream_mt(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st
   if (p.stream_il < 0) p.stream_il = b16 ? 3 : 0;  // 16-bit: whole-sector lanes, interleaved tiles
   if (p.stream_qsm < 0) p.stream_qsm = p.stream_split >= 4 ? 1 : 0;
   const bool auto_keep = p.stream_keep < 0;
-  if (auto_keep) {
-    // Documents read once per call are streamed evict-first, unless they
-    // fit well inside L2: then plain loads keep them for the next call
-    // (H100, same inputs scored again: 400 documents of 300 tokens, 31 MB,
-    // 16.2 -> 11.0 us; document sets past L2 gain nothing and lose 1.5-5 %
-    // to plain loads: session 17).
-    const int64_t rows = std::min<int64_t>(p.Td, p.P * std::max<int64_t>(mean_ld, 1));
-    const int64_t l2 = at::cuda::getCurrentDeviceProperties()->l2CacheSize;
-    p.stream_keep = rows * p.row_bytes * 4 <= l2 * 3 ? 1 : 0;
-  }
+  if (auto_keep) p.stream_keep = stream_fits_l2(p, mean_ld) ? 1 : 0;
   const int64_t wave = (int64_t)per_sm * num_sms;
   p.stream_multiwave = blocks() > wave;
   // A dirty L2 (another kernel's writes just before) costs an evict-first

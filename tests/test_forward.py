@@ -463,25 +463,28 @@ def test_packed_documents_off_the_even_grid(ms, device, dtype, dim):
     assert torch.all(out[0, dlens == 0] == 0)
 
 
-@pytest.mark.parametrize("case", ["one-query-long", "grouped-2", "grouped-4"])
+@pytest.mark.parametrize("case", ["one-query-long", "grouped-2", "grouped-4", "few-pairs-d64"])
 def test_streaming_split_pairs(ms, device, case):
-    """Shapes where the CUDA streaming kernel splits each pair over 2 or 4
+    """Shapes where the CUDA streaming kernel splits each pair over 2, 4 or 8
     warps (every S-th tile of 8 tokens each, row maxima combined in shared
-    memory; H100 heuristic): one query against long documents (fits one
-    wave: S = 4), and per-query candidates in several waves (S = 2 for ~25
-    tiles, S = 4 for ~50). Ragged lengths and mask holes put a document's
+    memory; H100 heuristic): one query against long documents and few
+    per-query candidates at d = 64 (one pair per 8-warp CTA: <= one CTA per
+    SM, >= 32 tiles), and per-query candidates in several waves (S = 2 for
+    ~25 tiles, S = 4 for ~50). Ragged lengths and mask holes put a document's
     end in any warp's tile or leave a warp no tile; a NaN token in a late
     tile must reach the score; 16-bit, lq 17 / 32 (two m tiles,
     the second partial)."""
     if device != "cuda":
         pytest.skip("CUDA heuristic shapes (the CPU kernel is covered elsewhere)")
     dtype = torch.bfloat16
-    g = torch.Generator().manual_seed({"one-query-long": 1, "grouped-2": 2, "grouped-4": 3}[case])
-    dim = 128
+    g = torch.Generator().manual_seed({"one-query-long": 1, "grouped-2": 2, "grouped-4": 3, "few-pairs-d64": 4}[case])
+    dim = 64 if case == "few-pairs-d64" else 128
     if case == "one-query-long":
         nq, k, lq, ld = 1, 60, 17, 1100
     elif case == "grouped-2":
         nq, k, lq, ld = 20, 100, 32, 200
+    elif case == "few-pairs-d64":
+        nq, k, lq, ld = 3, 40, 32, 300
     else:
         nq, k, lq, ld = 4, 500, 32, 400
     Q = rand(nq, lq, dim, dtype=dtype, gen=g)
