@@ -354,14 +354,17 @@ __global__ void __launch_bounds__(NW * 32) stream_fwd_kernel(const FwdParams p) 
     for (int h = 0; h < 2; ++h) {
       const int i = mt * 16 + h * 8 + g;
       uint4 seg[W];
+      if (from_sh) {
+        // Rows past the query's length read stale shared memory: a row of
+        // the products depends on its own query row only, and those rows'
+        // maxima are never summed (no zeroing on the critical path).
+        const uint4* src = qsh + (i * rb + lane_off) / 16;
 #pragma unroll
-      for (int w = 0; w < W; ++w) seg[w] = make_uint4(0, 0, 0, 0);
-      if (ok && i < ql) {
-        if (from_sh) {
-          const uint4* src = qsh + (i * rb + lane_off) / 16;
+        for (int w = 0; w < W; ++w) seg[w] = src[w * vs];
+      } else {
 #pragma unroll
-          for (int w = 0; w < W; ++w) seg[w] = src[w * vs];
-        } else {
+        for (int w = 0; w < W; ++w) seg[w] = make_uint4(0, 0, 0, 0);
+        if (ok && i < ql) {
           const uint4* src = reinterpret_cast<const uint4*>(p.q + ((int64_t)qs + i) * rb + lane_off);
 #pragma unroll
           for (int w = 0; w < W; ++w) seg[w] = __ldg(src + w * vs);
