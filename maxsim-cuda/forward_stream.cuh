@@ -547,6 +547,24 @@ inline bool stream_shape_ok(at::ScalarType t, int64_t lq, bool arg, bool normali
 template <typename T>
 void run_stream(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st);
 
+template <typename Kern>
+int stream_blocks_per_sm(Kern kern, int threads) {
+  int b = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kern, threads, 0));
+  return std::max(b, 1);
+}
+
+// Documents read once per call are streamed evict-first, unless they fit
+// well inside L2: then plain loads keep them for the next call (H100, same
+// inputs scored again: 400 documents of 300 tokens, 31 MB, 16.2 -> 11.0 us;
+// document sets past L2 gain nothing and lose 1.5-5 % to plain loads:
+// session 17). Returns whether they fit.
+inline bool stream_fits_l2(const FwdParams& p, int64_t mean_ld) {
+  const int64_t rows = std::min<int64_t>(p.Td, p.P * std::max<int64_t>(mean_ld, 1));
+  const int64_t l2 = at::cuda::getCurrentDeviceProperties()->l2CacheSize;
+  return rows * p.row_bytes * 4 <= l2 * 3;
+}
+
 // Warps per pair, lane layout and query staging (fields left <= 0 / < 0 by
 // the caller are chosen here). Measured on H100 (bf16, lq 32, d 128; perf
 // notes, session 11): a pair split over S warps shortens each warp's chain
@@ -571,24 +589,6 @@ void run_stream(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st);
 // rows measured no gain from any of the three (search-10k), so they keep
 // S = 1. Either way a grid of several waves ends on split pairs
 // (stream_tail).
-template <typename Kern>
-int stream_blocks_per_sm(Kern kern, int threads) {
-  int b = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kern, threads, 0));
-  return std::max(b, 1);
-}
-
-// Documents read once per call are streamed evict-first, unless they fit
-// well inside L2: then plain loads keep them for the next call (H100, same
-// inputs scored again: 400 documents of 300 tokens, 31 MB, 16.2 -> 11.0 us;
-// document sets past L2 gain nothing and lose 1.5-5 % to plain loads:
-// session 17). Returns whether they fit.
-inline bool stream_fits_l2(const FwdParams& p, int64_t mean_ld) {
-  const int64_t rows = std::min<int64_t>(p.Td, p.P * std::max<int64_t>(mean_ld, 1));
-  const int64_t l2 = at::cuda::getCurrentDeviceProperties()->l2CacheSize;
-  return rows * p.row_bytes * 4 <= l2 * 3;
-}
-
 template <typename T, int KS, int MT, bool RK, bool DS>
 void launch_stream_mt(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st) {
   auto kern = stream_fwd_kernel<T, KS, MT, RK, DS>;
