@@ -657,22 +657,31 @@ void launch_stream_mt(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st
   MAXSIM_CHECK(blocks() <= INT32_MAX, "maxsim: too many pairs (%lld) for one launch", (long long)p.P);
   if (p.stream_il < 0) p.stream_il = b16 ? 3 : 0;  // 16-bit: whole-sector lanes, interleaved tiles
   if (p.stream_qsm < 0) p.stream_qsm = p.stream_split >= 4 ? 1 : 0;
-  const bool auto_keep = p.stream_keep < 0;
-  if (auto_keep) p.stream_keep = stream_fits_l2(p, mean_ld) ? 1 : 0;
   const int64_t wave = (int64_t)per_sm * num_sms;
   p.stream_multiwave = blocks() > wave;
-  // A dirty L2 (another kernel's writes just before) costs an evict-first
-  // scan ~8 % of its time: the dirty lines leave while it runs (H100,
-  // corpus-10k after a 256 MB memset 275 us against 256 after a read),
-  // where plain loads write them back up front for a fixed ~8 us but lose
-  // 1-2 % on a clean L2. So long scans load their first wave plainly
-  // (session 23, H100: after a memset corpus-10k 273.3 -> 267.5 us, 30k
-  // documents 768.7 -> 754.1; back to back +0.3 %; 2-wave grids lost 4 %).
-  // The plain wave's up-front write-back is a fixed cost, so shorter scans
-  // lose by it: the rule starts at 12 waves (session 24, after a memset:
-  // 5.5 waves -6 %, 9.6 waves -1.3 %, 7.3 / 9.1 level, 13.6-38 waves
-  // +1.8-2.5 %). Measured for 16-bit rows only.
-  p.stream_keep = p.stream_keep > 0 ? INT32_MAX : auto_keep && b16 && blocks() >= 12 * wave ? (int)wave : 0;
+  // A dirty L2 (another kernel's writes just before, as after a query
+  // encoder) slows an evict-first scan all through: the dirty lines leave
+  // as it runs. Plain loads write them back up front, at a loss on a clean
+  // L2. So scans of >= 12 waves (shorter ones lost: session 24) load their
+  // first ~2.5 L2 sizes of documents plainly. Session 23 sized that prefix
+  // as one wave, ~122 MB at one warp per pair; at one pair per CTA
+  // (session 26) a wave is ~30 MB. H100, session 30, after a 256 MB memset
+  // / back to back, us, no prefix / one wave / 122 MB: 10k documents of
+  // 300 tokens 266.0 / 266.8 / 262.0 and 250.6 / 245.6 / 248.6; 20k 515.3
+  // / 508.7 / 501.2 and 491.1 / 485.5 / 488.5; 30k 765.0 / 750.9 / 742.8
+  // and 731.7 / 727.0 / 729.6; 10k of 256 tokens 225.8 / 227.2 / 222.6;
+  // 5k of 300 139.3 / 141.8 / 140.4. The one-wave prefix's back-to-back
+  // gain is its 30 MB staying in L2 for the next call on the same inputs.
+  // Measured for 16-bit rows only.
+  if (p.stream_keep < 0) {
+    p.stream_keep = stream_fits_l2(p, mean_ld) ? 1 : 0;
+    if (p.stream_keep == 0 && b16 && blocks() >= 12 * wave) {
+      const int64_t cta_bytes = std::max<int64_t>(1, kStreamWarps / p.stream_split * mean_ld * p.row_bytes);
+      const int64_t l2 = at::cuda::getCurrentDeviceProperties()->l2CacheSize;
+      p.stream_keep = (int)std::min<int64_t>(std::max<int64_t>(2, 5 * l2 / 2 / cta_bytes), INT32_MAX - 1);
+    }
+  }
+  if (p.stream_keep == 1) p.stream_keep = INT32_MAX;  // all (> 1: that many leading CTAs)
   launch_pdl(kern, dim3((unsigned)blocks()), dim3(kStreamWarps * 32), 0, st, p);
 }
 
