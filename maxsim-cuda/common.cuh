@@ -75,9 +75,10 @@ struct FwdParams {
   // < 0: the launcher's heuristic);
   // the last stream_tail pairs split over 4 warps, one pair per CTA after
   // the first stream_head_blocks CTAs (< 0: the launcher's heuristic);
-  // stream_keep: plain document loads that leave them in L2 (> 0) or
-  // evict-first streamed loads (0); the launcher turns it into the number
-  // of leading CTAs that load plainly (INT32_MAX: all). stream_multiwave:
+  // stream_keep: plain document loads that leave them in L2 (1: all CTAs,
+  // k > 1: the first k) or evict-first streamed loads (0); the launcher
+  // turns it into the number of leading CTAs that load plainly (INT32_MAX:
+  // all). stream_multiwave:
   // the grid runs in more than one wave (set by the launcher).
   int stream_split, stream_il, stream_qsm, stream_keep, stream_multiwave;
   // Streaming kernel, 16-bit CROSS / GROUPED: every document segment is

@@ -69,7 +69,7 @@ void set_stream_mode(int split, int il, int qsm) {
   g_stream_il = il;
   g_stream_qsm = qsm;
 }
-static int g_stream_keep = -1;  // plain (L2-keeping) document loads (-1 = heuristic)
+static int g_stream_keep = -1;  // plain (L2-keeping) document loads: 1 all CTAs, k > 1 the first k, 0 none, -1 heuristic
 void set_stream_keep(int keep) { g_stream_keep = keep; }
 static int64_t g_stream_tail = -1;  // streaming kernel tail pairs split over 4 warps (-1 = heuristic)
 void set_stream_tail(int64_t pairs) { g_stream_tail = pairs; }

@@ -666,13 +666,14 @@ void launch_stream_mt(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st
   // first ~2.5 L2 sizes of documents plainly. Session 23 sized that prefix
   // as one wave, ~122 MB at one warp per pair; at one pair per CTA
   // (session 26) a wave is ~30 MB. H100, session 30, after a 256 MB memset
-  // / back to back, us, no prefix / one wave / 122 MB: 10k documents of
-  // 300 tokens 266.0 / 266.8 / 262.0 and 250.6 / 245.6 / 248.6; 20k 515.3
-  // / 508.7 / 501.2 and 491.1 / 485.5 / 488.5; 30k 765.0 / 750.9 / 742.8
-  // and 731.7 / 727.0 / 729.6; 10k of 256 tokens 225.8 / 227.2 / 222.6;
-  // 5k of 300 139.3 / 141.8 / 140.4. The one-wave prefix's back-to-back
-  // gain is its 30 MB staying in L2 for the next call on the same inputs.
-  // Measured for 16-bit rows only.
+  // / back to back, us, no prefix / one wave / this rule: 10k documents of
+  // 300 tokens 265.6 / 266.5 / 261.6 and 250.5 / 245.5 / 248.5; 20k 515.4
+  // / 509.3 / 501.6 and 491.1 / 485.6 / 488.8; 30k 764.1 / 750.7 / 742.9
+  // and 731.3 / 726.8 / 729.3; 10k of 256 tokens 225.0 / 227.3 / 222.1
+  // and 215.1 / 207.5 / 211.3; 5k of 300 139.5 / 142.2 / 140.5 and 129.4
+  // / 124.4 / 128.0. The one-wave prefix's back-to-back gain is its 30 MB
+  // staying in L2 for the next call on the same inputs. Measured for
+  // 16-bit rows only.
   if (p.stream_keep < 0) {
     p.stream_keep = stream_fits_l2(p, mean_ld) ? 1 : 0;
     if (p.stream_keep == 0 && b16 && blocks() >= 12 * wave) {
