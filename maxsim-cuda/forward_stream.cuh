@@ -565,6 +565,14 @@ inline bool stream_fits_l2(const FwdParams& p, int64_t mean_ld) {
   return rows * p.row_bytes * 4 <= l2 * 3;
 }
 
+// stream_keep as the kernel reads it: the number of leading CTAs that load
+// plainly (INT32_MAX: all). The caller's 1 means all, k > 1 the first k, 0
+// none; < 0: all when the documents fit L2, else `prefix` (0, or >= 2 CTAs).
+inline int stream_plain_ctas(const FwdParams& p, int64_t mean_ld, int64_t prefix) {
+  const int64_t k = p.stream_keep >= 0 ? p.stream_keep : stream_fits_l2(p, mean_ld) ? 1 : prefix;
+  return k == 1 ? INT32_MAX : (int)k;
+}
+
 // Warps per pair, lane layout and query staging (fields left <= 0 / < 0 by
 // the caller are chosen here). Measured on H100 (bf16, lq 32, d 128; perf
 // notes, session 11): a pair split over S warps shortens each warp's chain
@@ -613,7 +621,7 @@ void launch_stream_mt(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st
       MAXSIM_CHECK(p.P <= INT32_MAX, "maxsim: too many pairs (%lld) for one launch", (long long)p.P);
       if (p.stream_il < 0) p.stream_il = 3;
       if (p.stream_qsm < 0) p.stream_qsm = 1;
-      p.stream_keep = p.stream_keep > 0 || (p.stream_keep < 0 && stream_fits_l2(p, mean_ld)) ? INT32_MAX : 0;
+      p.stream_keep = stream_plain_ctas(p, mean_ld, 0);
       p.stream_multiwave = p.P > wave;
       launch_pdl(wide, dim3((unsigned)p.P), dim3(kStreamWideWarps * 32), 0, st, p);
       return;
@@ -674,15 +682,13 @@ void launch_stream_mt(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st
   // / 124.4 / 128.0. The one-wave prefix's back-to-back gain is its 30 MB
   // staying in L2 for the next call on the same inputs. Measured for
   // 16-bit rows only.
-  if (p.stream_keep < 0) {
-    p.stream_keep = stream_fits_l2(p, mean_ld) ? 1 : 0;
-    if (p.stream_keep == 0 && b16 && blocks() >= 12 * wave) {
-      const int64_t cta_bytes = std::max<int64_t>(1, kStreamWarps / p.stream_split * mean_ld * p.row_bytes);
-      const int64_t l2 = at::cuda::getCurrentDeviceProperties()->l2CacheSize;
-      p.stream_keep = (int)std::min<int64_t>(std::max<int64_t>(2, 5 * l2 / 2 / cta_bytes), INT32_MAX - 1);
-    }
+  int64_t prefix = 0;
+  if (p.stream_keep < 0 && b16 && blocks() >= 12 * wave) {
+    const int64_t cta_bytes = std::max<int64_t>(1, kStreamWarps / p.stream_split * mean_ld * p.row_bytes);
+    const int64_t l2 = at::cuda::getCurrentDeviceProperties()->l2CacheSize;
+    prefix = std::min<int64_t>(std::max<int64_t>(2, 5 * l2 / 2 / cta_bytes), INT32_MAX - 1);
   }
-  if (p.stream_keep == 1) p.stream_keep = INT32_MAX;  // all (> 1: that many leading CTAs)
+  p.stream_keep = stream_plain_ctas(p, mean_ld, prefix);
   launch_pdl(kern, dim3((unsigned)blocks()), dim3(kStreamWarps * 32), 0, st, p);
 }
 
