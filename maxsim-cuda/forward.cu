@@ -51,7 +51,8 @@ namespace cuda_fwd {
 
 // Developer hook (benchmark harness only): force a tensor-core configuration
 // (0..kNumMmaCfgs-1), -2 forces the SIMT kernel, -3 the streaming kernel for
-// any layout it can take, -1 = heuristic. Also a
+// any layout it can take, -4 the sm_90a wgmma kernel wherever it can take the
+// shape, however few query rows fill its 128-row tile, -1 = heuristic. Also a
 // forced doc split count (0 = heuristic).
 static int g_forced_cfg = -1;
 static int g_forced_splits = 0;
@@ -443,7 +444,8 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
   // sm_90a wgmma + TMA kernel when its 128-row M tile is (nearly) full.
   const int64_t wg_rows = std::min<int64_t>(query_rows_per_token(layout, Nq, lq), kWgBM);
   const bool use_wg = use_mma && dtype != at::kFloat && g_forced_cfg < 0 && prop->major == 9 &&
-                      wg_rows >= kWgBM && wgmma_shape_ok(p, dim, esz) && wgmma_ready_any(dtype, dim, arg, scaled);
+                      (wg_rows >= kWgBM || g_forced_cfg == -4) && wgmma_shape_ok(p, dim, esz) &&
+                      wgmma_ready_any(dtype, dim, arg, scaled);
 
   const int bm = use_wg ? kWgBM : use_mma ? mma_cfg_info(cfg).bm : kSimtBM;
   const int bn = use_wg ? kWgBN : use_mma ? mma_cfg_info(cfg).bn : kSimtBN;
