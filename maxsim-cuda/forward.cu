@@ -41,6 +41,7 @@
 #include "forward_mma.cuh"
 #include "forward_simt.cuh"
 #include "forward_stream.cuh"
+#include "forward_stream_wg.cuh"
 #include "forward_wgmma.cuh"
 #include "fwd_params.h"
 #include "normalize_rows.cuh"
@@ -76,6 +77,8 @@ static int64_t g_stream_tail = -1;  // streaming kernel tail pairs split over 4 
 void set_stream_tail(int64_t pairs) { g_stream_tail = pairs; }
 static int g_stream_spec = 3;  // guessed starts: bit 0 documents, bit 1 queries
 void set_stream_spec(int on) { g_stream_spec = on; }
+static int g_stream_wg = -1;  // staged wgmma stream kernel: its document stages (3-5), 0 off, -1 heuristic
+void set_stream_wg(int nst) { g_stream_wg = nst; }
 
 namespace {
 
@@ -400,6 +403,10 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
     const bool by_position = layout == kCross || layout == kGrouped;
     p.stream_extent = by_position && (g_stream_spec & 1) && Nd > 0 && d.size(0) % Nd == 0 ? d.size(0) / Nd : 0;
     p.stream_qextent = by_position && (g_stream_spec & 2) && Nq > 0 && q.size(0) % Nq == 0 ? q.size(0) / Nq : 0;
+    if (g_stream_wg != 0 && stream_wg_ok(dtype, prop->major * 10 + prop->minor, p) &&
+        (dtype == at::kHalf ? run_stream_wg<__half>(p, g_stream_wg, mean_ld, prop->multiProcessorCount, stream)
+                            : run_stream_wg<__nv_bfloat16>(p, g_stream_wg, mean_ld, prop->multiProcessorCount, stream)))
+      return {scores, argmax};
     run_stream_any(dtype, p, mean_ld, prop->multiProcessorCount, stream);
     return {scores, argmax};
   }

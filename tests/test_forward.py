@@ -463,6 +463,68 @@ def test_packed_documents_off_the_even_grid(ms, device, dtype, dim):
     assert torch.all(out[0, dlens == 0] == 0)
 
 
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("lq", [1, 8, 16, 17, 32])
+def test_many_pairs_at_stage_edges(ms, device, dtype, dim, lq):
+    """1200 pairs of one short query: on an H100 at least one full wave of
+    the sm_90a staged wgmma stream, which scores documents in stages of 64
+    tokens through a ring of 3-5 shared-memory stages. Lengths at every
+    stage edge (0, 1, 63, 64, 65, 127, 128, 129, 191, 192, 193) and long
+    documents (1100 tokens: the ring wraps), token-mask holes, a document
+    masked empty, a NaN token in a last partial stage; query masks (one
+    query, packed documents, padded with masks) and lengths (per-query
+    candidates), and a pair list with out-of-range ids (NaN scores)."""
+    if device != "cuda" or dtype == torch.float32:
+        pytest.skip("16-bit CUDA shapes (the other kernels are covered elsewhere)")
+    g = torch.Generator().manual_seed(dim * 7 + lq)
+    nd, ld = 1200, 1100
+    edges = [0, 1, 63, 64, 65, 127, 128, 129, 191, 192, 193]
+    dlens = torch.randint(0, 260, (nd,), generator=g)
+    dlens[: len(edges)] = torch.tensor(edges)
+    dlens[[20, 600, 1199]] = ld
+    doff = torch.cat([torch.zeros(1, dtype=torch.long), dlens.cumsum(0)])
+    Q = rand(1, lq, dim, dtype=dtype, device=device, gen=g)
+    d = rand(int(doff[-1]), dim, dtype=dtype, device=device, gen=g)
+    nan_doc = 9  # 129 tokens: token 128 is alone in its last stage
+    d[int(doff[nan_doc]) + 128, 2] = float("nan")
+    mask = lengths_mask(dlens, ld).to(device)
+    Dp = torch.zeros(nd, ld, dim, dtype=dtype, device=device)
+    Dp[mask] = d
+    qm = torch.rand(1, lq, generator=g) > 0.3
+    qm[0, 0] = True
+    qm = qm.to(device)
+    keep = torch.ones(nd, dtype=torch.bool, device=device)
+    keep[nan_doc] = False
+    ref = ms.maxsim_reference(Q, Dp, None, mask)
+    out = ms.score_contrastive(Q, d, doff.to(device))
+    assert torch.isnan(out[0, nan_doc]) and torch.isnan(ref[0, nan_doc])
+    assert torch.all(out[0, (dlens == 0).to(device)] == 0)
+    assert_close(out[:, keep], ref[:, keep], dtype)
+    holes = mask & (torch.rand(nd, ld, generator=g) > 0.25).to(device)
+    holes[40] = False
+    ref2 = ms.maxsim_reference(Q, Dp, qm, holes)
+    out2 = ms.maxsim(Q, Dp, qm, holes)
+    assert out2[0, 40] == 0
+    assert_close(out2[:, keep], ref2[:, keep], dtype)
+    # per-query candidates: 3 queries x 400 documents with lengths
+    Qb = rand(3, lq, dim, dtype=dtype, device=device, gen=g)
+    qlen = torch.randint(1, lq + 1, (3,), generator=g).to(device)
+    Db = torch.nan_to_num(Dp[:, :260]).view(3, 400, 260, dim)
+    dlb = dlens.clamp(max=260).view(3, 400).to(device)
+    refb = ms.maxsim_reference(Qb, Db, lengths_mask(qlen, lq), lengths_mask(dlb.reshape(-1), 260).view(3, 400, 260))
+    assert_close(ms.score_candidates_padded(Qb, Db, qlen, dlb), refb, dtype)
+    # a pair list over the packed documents; ids past the end score NaN
+    P = 1300
+    pd = torch.randint(0, nd, (P,), generator=g)
+    pd[[5, 700]] = nd
+    qoff = torch.tensor([0, lq], device=device)
+    out3 = ms.score_pairs_packed(Q[0], qoff, d, doff.to(device), torch.zeros(P, dtype=torch.long, device=device),
+                                 pd.to(device))
+    bad = (pd == nd) | (pd == nan_doc)
+    assert torch.all(torch.isnan(out3[bad.to(device)]))
+    assert_close(out3[(~bad).to(device)], ref[0, pd[~bad].to(device)], dtype)
+
+
 @pytest.mark.parametrize("case", ["one-query-long", "grouped-2", "grouped-4", "few-pairs-d64"])
 def test_streaming_split_pairs(ms, device, case):
     """Shapes where the CUDA streaming kernel splits each pair over 2, 4 or 8

@@ -1,0 +1,71 @@
+// Staged wgmma forward kernels (forward_stream_wg.cuh): fp16 / bf16.
+#include <ATen/cuda/CUDAContext.h>
+
+#include "forward_stream_wg.cuh"
+#include "smem_opt_in.h"
+
+namespace maxsim {
+namespace cuda_fwd {
+namespace {
+
+template <typename T, int KS, int NQ, int NST>
+bool launch_stream_wg(FwdParams p, bool forced, int64_t mean_ld, int num_sms, cudaStream_t st) {
+  auto kern = stream_wg_kernel<T, KS, NQ, NST>;
+  constexpr int smem = stream_wg_smem(KS, NQ, NST);
+  static int set_bytes[kSmemOptInDevices] = {};
+  opt_in_dynamic_smem(kern, smem, set_bytes);
+  static const int per_sm = [&] {
+    int b = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kern, kStreamWgThreads, smem));
+    return std::max(b, 1);
+  }();
+  const int64_t wave = (int64_t)per_sm * num_sms;
+  // Where the mma.sync stream stays (H100, session 32, graph us, stream ->
+  // this kernel): documents shorter than a stage, whose CTA stages as many
+  // query bytes as it reads document bytes (one query x 1000 documents of 32
+  // tokens 5.9 -> 7.1, 10k 38.1 -> 59.0, 40k of 12 at dim 64 45.7 -> 95.1);
+  // 128-byte rows in under three waves of one pair per CTA (1000 x 300
+  // tokens, 1.26 waves: 11.7 -> 14.0; 4000 x 300: 56.0 -> 53.0).
+  // Few pairs: one warpgroup per pair walks its stages in sequence, where
+  // the mma.sync stream spreads a pair over up to 8 warps.
+  if (!forced && (mean_ld < kStreamWgTokens || p.P < 32 || (KS == 4 && p.P < 3 * wave))) return false;
+  p.stream_multiwave = p.P > wave;
+  // The streaming kernel's rule: scans of >= 12 waves load their first ~2.5
+  // L2 sizes plainly (a dirty L2 drains up front).
+  int64_t prefix = 0;
+  if (p.stream_keep < 0 && p.P >= 12 * wave) {
+    const int64_t cta_bytes = std::max<int64_t>(1, mean_ld * p.row_bytes);
+    const int64_t l2 = at::cuda::getCurrentDeviceProperties()->l2CacheSize;
+    prefix = std::min<int64_t>(std::max<int64_t>(2, 5 * l2 / 2 / cta_bytes), INT32_MAX - 1);
+  }
+  p.stream_keep = stream_plain_ctas(p, mean_ld, prefix);
+  launch_pdl(kern, dim3((unsigned)p.P), dim3(kStreamWgThreads), smem, st, p);
+  return true;
+}
+
+template <typename T, int KS, int NQ>
+bool by_nst(const FwdParams& p, int nst, int64_t mean_ld, int num_sms, cudaStream_t st) {
+  const bool forced = nst > 0;
+  if (nst == 3) return launch_stream_wg<T, KS, NQ, 3>(p, forced, mean_ld, num_sms, st);
+  if (nst == 5) return launch_stream_wg<T, KS, NQ, 5>(p, forced, mean_ld, num_sms, st);
+  return launch_stream_wg<T, KS, NQ, 4>(p, forced, mean_ld, num_sms, st);
+}
+
+template <typename T, int KS>
+bool by_nq(const FwdParams& p, int nst, int64_t mean_ld, int num_sms, cudaStream_t st) {
+  if (p.lq <= 16) return by_nst<T, KS, 16>(p, nst, mean_ld, num_sms, st);
+  return by_nst<T, KS, 32>(p, nst, mean_ld, num_sms, st);
+}
+
+}  // namespace
+
+template <typename T>
+bool run_stream_wg(const FwdParams& p, int nst, int64_t mean_ld, int num_sms, cudaStream_t st) {
+  if (p.row_bytes == 128) return by_nq<T, 4>(p, nst, mean_ld, num_sms, st);
+  return by_nq<T, 8>(p, nst, mean_ld, num_sms, st);
+}
+template bool run_stream_wg<__half>(const FwdParams&, int, int64_t, int, cudaStream_t);
+template bool run_stream_wg<__nv_bfloat16>(const FwdParams&, int, int64_t, int, cudaStream_t);
+
+}  // namespace cuda_fwd
+}  // namespace maxsim

@@ -1,0 +1,227 @@
+// Staged wgmma forward (sm_90a): one short query (lq <= 32) against many
+// documents of 16-bit tokens, rows of 128 or 256 bytes (dim 64 / 128). The
+// memory-bound sibling of forward_stream.cuh: one pair per CTA of one
+// warpgroup; the document streams through NST shared-memory stages of 64
+// tokens, each filled by the CTA's threads with 16-byte cp.async copies
+// (zero-filled past the document) into the 128B-swizzled K-major layout
+// wgmma reads; the query rows are staged once the same way. Each stage is
+// one chain of wgmma m64nNk16 (A = 64 document tokens, B = N query rows,
+// both from shared memory), so no register holds a fragment of either
+// operand and the document bytes in flight are bounded by shared memory
+// only. A thread folds its two tokens of a stage (rows g and g + 8 of its
+// warp's 16) into running per-column maxima (NaN-propagating max, masked /
+// out-of-range tokens -inf), reduced over the warp's and then the CTA's
+// tokens at the end; the score is the sum over query rows in the order of
+// the mma.sync stream's epilogue.
+// No argmax, no normalize, no 8-bit tokens.
+#pragma once
+
+#include "common.cuh"
+#include "forward_stream.cuh"
+#include "forward_wgmma.cuh"
+#include "pdl.cuh"
+
+namespace maxsim {
+namespace cuda_fwd {
+
+#if MAXSIM_WG_DEVICE
+// m64nNk16 with A and B from shared memory (both K-major).
+template <typename T, int N>
+struct WgMmaSs;
+
+#define MAXSIM_WGMMA_SS(T, TY)                                                                                      \
+  template <>                                                                                                     \
+  struct WgMmaSs<T, 32> {                                                                                         \
+    static __device__ __forceinline__ void run(float* d, uint64_t da, uint64_t db, int scale_d) {                 \
+      asm volatile(                                                                                               \
+          "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                                            \
+          "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " "                                             \
+          "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "                              \
+          "%16, %17, p, 1, 1, 0, 0;\n}\n"                                                                         \
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),       \
+            "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])  \
+          : "l"(da), "l"(db), "r"(scale_d));                                                                      \
+    }                                                                                                             \
+  };                                                                                                              \
+  template <>                                                                                                     \
+  struct WgMmaSs<T, 16> {                                                                                         \
+    static __device__ __forceinline__ void run(float* d, uint64_t da, uint64_t db, int scale_d) {                 \
+      asm volatile(                                                                                               \
+          "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"                                                            \
+          "wgmma.mma_async.sync.aligned.m64n16k16.f32." TY "." TY " "                                             \
+          "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 0, 0;\n}\n"                                         \
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])        \
+          : "l"(da), "l"(db), "r"(scale_d));                                                                      \
+    }                                                                                                             \
+  };
+MAXSIM_WGMMA_SS(__nv_bfloat16, "bf16")
+MAXSIM_WGMMA_SS(__half, "f16")
+#undef MAXSIM_WGMMA_SS
+
+// A 16-byte cp.async with an L2 eviction policy and the 256-byte L2
+// prefetch hint; src_size 0 zero-fills the destination.
+__device__ __forceinline__ void cp_async_pol(uint32_t dst, const void* src, int src_size, uint64_t pol) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src),
+               "r"(src_size), "l"(pol)
+               : "memory");
+}
+#endif  // MAXSIM_WG_DEVICE
+
+constexpr int kStreamWgThreads = 128;  // one warpgroup
+constexpr int kStreamWgTokens = 64;    // tokens per stage (wgmma M)
+
+// Dynamic shared memory of a CTA: NST document stages and the query tile.
+constexpr int stream_wg_smem(int ks, int nq, int nst) { return (nst * kStreamWgTokens + nq) * ks * 32 + 1024; }
+
+// KS: 32-byte k steps per row (4 or 8); NQ: query rows per tile (16 or 32);
+// NST: document stages (NST - 1 in flight while one is scored).
+template <typename T, int KS, int NQ, int NST>
+__global__ void __launch_bounds__(kStreamWgThreads) stream_wg_kernel(const FwdParams p) {
+#if MAXSIM_WG_DEVICE
+  pdl_wait();
+  constexpr int RB = KS * 32;                       // row bytes
+  constexpr int CH = RB / 16;                       // 16-byte chunks per row
+  constexpr int SB = kStreamWgTokens * RB;          // stage bytes
+  constexpr int NA = NQ / 2;                        // accumulators per thread
+  constexpr int CPT = kStreamWgTokens * CH / kStreamWgThreads;  // copies per thread per stage
+  const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, c = lane & 3, warp = tid >> 5;
+  const int64_t pr = blockIdx.x;
+  int64_t n = 0, dn = pr;
+  if (p.layout == kGroupedL)
+    n = pr / p.K;
+  else if (!(p.layout == kCrossL && p.Nq == 1))
+    pair_ids(p, pr, n, dn);
+  int qs = 0, ql = 0, ds = 0, dl = 0;
+  const bool qok = query_ok(p, n, qs, ql);
+  const bool ok = doc_ok(p, dn, ds, dl) && qok;
+  if (!ok) dl = 0;
+  uint64_t pol;
+  if ((int)blockIdx.x < p.stream_keep)
+    asm("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(pol));
+  else
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+
+  extern __shared__ __align__(1024) unsigned char wg_smem[];
+  const uint32_t sbase = (smem_u32(wg_smem) + 1023u) & ~1023u;  // swizzle atoms: 1024-byte aligned
+  const uint32_t qbase = sbase + NST * SB;
+  // Row r, chunk j of a tile of `rows` rows: 128-byte k block j / 8, 16-byte
+  // slot (j % 8) ^ (r % 8) of its row (the 128B swizzle).
+  auto sw = [](int rows, int r, int j) -> uint32_t {
+    return (uint32_t)((j >> 3) * rows * 128 + r * 128 + ((((j & 7) ^ (r & 7))) << 4));
+  };
+  // Copy x of a stage: row x / CH, chunk x % CH (a row's chunks on
+  // consecutive threads).
+  const int nst = (dl + kStreamWgTokens - 1) / kStreamWgTokens;
+  auto stage_in = [&](int t) {
+    if (t < nst) {
+      const uint32_t dst = sbase + (uint32_t)((t % NST) * SB);
+#pragma unroll
+      for (int i = 0; i < CPT; ++i) {
+        const int x = tid + i * kStreamWgThreads, r = x / CH, j = x % CH;
+        const int tok = t * kStreamWgTokens + r;
+        const bool in = tok < dl;
+        const char* src = p.d + (in ? ((int64_t)ds + tok) * RB + j * 16 : 0);
+        cp_async_pol(dst + sw(kStreamWgTokens, r, j), src, in ? 16 : 0, pol);
+      }
+    }
+    cp_async_commit();
+  };
+  // Query rows past its length are zero-filled (their columns are never
+  // summed). Group 0 is the query's, group 1 + t stage t's.
+#pragma unroll
+  for (int i = 0; i < NQ * CH / kStreamWgThreads; ++i) {
+    const int x = tid + i * kStreamWgThreads, r = x / CH, j = x % CH;
+    const bool in = r < ql;
+    cp_async<16>(qbase + sw(NQ, r, j), p.q + (in ? ((int64_t)qs + r) * RB + j * 16 : 0), in);
+  }
+  cp_async_commit();
+#pragma unroll
+  for (int t = 0; t < NST - 1; ++t) stage_in(t);
+
+  float best[NA / 2];
+#pragma unroll
+  for (int i = 0; i < NA / 2; ++i) best[i] = neg_inf();
+  for (int t = 0; t < nst; ++t) {
+    // This thread's copies of the query and stage t have landed; the
+    // barrier makes every thread's visible to wgmma.
+    cp_async_wait<NST - 2>();
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();
+    float acc[NA];
+#pragma unroll
+    for (int i = 0; i < NA; ++i) acc[i] = 0.f;
+    const uint32_t abase = sbase + (uint32_t)((t % NST) * SB);
+    wg_fence_acc<NA>(acc);
+    wg_fence();
+#pragma unroll
+    for (int s = 0; s < KS; ++s)
+      WgMmaSs<T, NQ>::run(acc, wg_desc(abase + (uint32_t)((s >> 2) * kStreamWgTokens * 128 + (s & 3) * 32)),
+                          wg_desc(qbase + (uint32_t)((s >> 2) * NQ * 128 + (s & 3) * 32)), s);
+    wg_commit();
+    // The stage scored before this one is free (its chain retired before the
+    // barrier above).
+    stage_in(t + NST - 1);
+    wg_wait<0>();
+    wg_fence_acc<NA>(acc);
+    // Columns 8 j + 2 c + e; rows g (acc 4 j + e) and g + 8 (4 j + 2 + e).
+    const int j0 = t * kStreamWgTokens + 16 * warp + g;
+    bool v0 = true, v1 = true;
+    if (!(t * kStreamWgTokens + kStreamWgTokens <= dl && p.d_mask == nullptr)) {
+      v0 = j0 < dl;
+      v1 = j0 + 8 < dl;
+      if (p.d_mask != nullptr) {
+        v0 = v0 && p.d_mask[(int64_t)ds + j0];
+        v1 = v1 && p.d_mask[(int64_t)ds + j0 + 8];
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < NQ / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        best[2 * j + e] = max_nan(best[2 * j + e], max_nan(v0 ? acc[4 * j + e] : neg_inf(),
+                                                           v1 ? acc[4 * j + 2 + e] : neg_inf()));
+  }
+  cp_async_wait<0>();
+  if (p.stream_multiwave) pdl_trigger();
+  // Max over the warp's 16 tokens (lanes of equal c), then over the 4 warps.
+#pragma unroll
+  for (int i = 0; i < NA / 2; ++i)
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) best[i] = max_nan(best[i], __shfl_xor_sync(0xffffffffu, best[i], o));
+  __shared__ float red[4][NQ];
+  if (g == 0)
+#pragma unroll
+    for (int j = 0; j < NQ / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) red[warp][8 * j + 2 * c + e] = best[2 * j + e];
+  __syncthreads();
+  if (warp == 0) {
+    float v = neg_inf();
+    if (lane < NQ) v = max_nan(max_nan(red[0][lane], red[1][lane]), max_nan(red[2][lane], red[3][lane]));
+    bool use = ok && lane < ql && v != neg_inf();
+    if (use && p.q_mask != nullptr) use = p.q_mask[(int64_t)qs + lane];
+    const float sum = warp_sum(use ? v : 0.f);
+    if (lane == 0) p.scores[pr] = ok ? sum : __int_as_float(0x7fc00000);
+  }
+#endif
+}
+
+// Whether the kernel can take this forward (host side; forward.cu has
+// already chosen the streaming path for it). One query against documents
+// and per-query candidates only: pair lists stay on the mma.sync stream,
+// whose k order the search re-score (rescore_topk, the same kernel with the
+// top-k fused) shares, so that the two give bitwise equal scores.
+inline bool stream_wg_ok(at::ScalarType t, int sm, const FwdParams& p) {
+  return sm == 90 && (t == at::kHalf || t == at::kBFloat16) && (p.row_bytes == 128 || p.row_bytes == 256) &&
+         p.rank_done == nullptr && (p.layout == kCrossL || p.layout == kGroupedL) && p.P <= INT32_MAX;
+}
+
+// Defined for __half / __nv_bfloat16 in forward_stream_wg.cu. nst > 0:
+// run with that many document stages (3, 4 or 5); else the launcher's
+// choice, which returns false where the mma.sync stream is to take the
+// forward instead.
+template <typename T>
+bool run_stream_wg(const FwdParams& p, int nst, int64_t mean_ld, int num_sms, cudaStream_t st);
+
+}  // namespace cuda_fwd
+}  // namespace maxsim
