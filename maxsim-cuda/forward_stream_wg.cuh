@@ -70,8 +70,11 @@ __device__ __forceinline__ void cp_async_pol(uint32_t dst, const void* src, int 
 constexpr int kStreamWgThreads = 128;  // one warpgroup
 constexpr int kStreamWgTokens = 64;    // tokens per stage (wgmma M)
 
-// Dynamic shared memory of a CTA: NST document stages and the query tile.
-constexpr int stream_wg_smem(int ks, int nq, int nst) { return (nst * kStreamWgTokens + nq) * ks * 32 + 1024; }
+// Dynamic shared memory of a CTA: NST document stages and the query tile,
+// nothing else (the CTA's only shared memory, so its base is the 1024-byte
+// aligned start the swizzle needs; at NST = 3 and 256-byte rows, 56 KB: four
+// CTAs per SM on an H100).
+constexpr int stream_wg_smem(int ks, int nq, int nst) { return (nst * kStreamWgTokens + nq) * ks * 32; }
 
 // KS: 32-byte k steps per row (4 or 8); NQ: query rows per tile (16 or 32);
 // NST: document stages (NST - 1 in flight while one is scored).
@@ -102,7 +105,7 @@ __global__ void __launch_bounds__(kStreamWgThreads) stream_wg_kernel(const FwdPa
     asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
 
   extern __shared__ __align__(1024) unsigned char wg_smem[];
-  const uint32_t sbase = (smem_u32(wg_smem) + 1023u) & ~1023u;  // swizzle atoms: 1024-byte aligned
+  const uint32_t sbase = smem_u32(wg_smem);
   const uint32_t qbase = sbase + NST * SB;
   // Row r, chunk j of a tile of `rows` rows: 128-byte k block j / 8, 16-byte
   // slot (j % 8) ^ (r % 8) of its row (the 128B swizzle).
@@ -183,21 +186,25 @@ __global__ void __launch_bounds__(kStreamWgThreads) stream_wg_kernel(const FwdPa
   }
   cp_async_wait<0>();
   if (p.stream_multiwave) pdl_trigger();
-  // Max over the warp's 16 tokens (lanes of equal c), then over the 4 warps.
+  // Max over the warp's 16 tokens (lanes of equal c), then over the 4 warps,
+  // through a stage no wgmma reads any more: stage nst - 2's chain retired
+  // before every thread passed the barrier of stage nst - 1 (and with fewer
+  // than two stages, one was never filled).
 #pragma unroll
   for (int i = 0; i < NA / 2; ++i)
 #pragma unroll
     for (int o = 4; o < 32; o <<= 1) best[i] = max_nan(best[i], __shfl_xor_sync(0xffffffffu, best[i], o));
-  __shared__ float red[4][NQ];
+  float* red = reinterpret_cast<float*>(wg_smem + ((nst + NST - 2) % NST) * SB);  // [4][NQ]
   if (g == 0)
 #pragma unroll
     for (int j = 0; j < NQ / 8; ++j)
 #pragma unroll
-      for (int e = 0; e < 2; ++e) red[warp][8 * j + 2 * c + e] = best[2 * j + e];
+      for (int e = 0; e < 2; ++e) red[warp * NQ + 8 * j + 2 * c + e] = best[2 * j + e];
   __syncthreads();
   if (warp == 0) {
     float v = neg_inf();
-    if (lane < NQ) v = max_nan(max_nan(red[0][lane], red[1][lane]), max_nan(red[2][lane], red[3][lane]));
+    if (lane < NQ)
+      v = max_nan(max_nan(red[lane], red[NQ + lane]), max_nan(red[2 * NQ + lane], red[3 * NQ + lane]));
     bool use = ok && lane < ql && v != neg_inf();
     if (use && p.q_mask != nullptr) use = p.q_mask[(int64_t)qs + lane];
     const float sum = warp_sum(use ? v : 0.f);
