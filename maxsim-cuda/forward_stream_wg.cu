@@ -46,13 +46,14 @@ bool launch_stream_wg(FwdParams p, bool forced, int64_t mean_ld, int num_sms, cu
 template <typename T, int KS, int NQ>
 bool by_nst(const FwdParams& p, int nst, int64_t mean_ld, int num_sms, cudaStream_t st) {
   const bool forced = nst > 0;
-  // Three stages (four CTAs per SM at 256-byte rows) for long documents in
-  // >= 2 CTAs per SM, else four (three CTAs per SM, more bytes in flight
-  // per CTA). H100, session 32, graph us, 4 -> 3 stages at three CTAs per
-  // SM for both: 1000 x 1024 tokens 88.2 -> 87.8, 600 x 1024 55.5 -> 54.7,
-  // 3000 x 1024 254.1 -> 253.3; 64 x 4096 27.7 -> 32.8, 1000 x 300 28.8 ->
-  // 29.3.
-  if (!forced) nst = mean_ld >= 512 && p.P >= 2 * num_sms ? 3 : 4;
+  // Four stages (three CTAs per SM at 256-byte rows). H100, session 32,
+  // graph us, 3 -> 4 stages: 1000 x 300 tokens 28.7 -> 29.0, 10k x 300
+  // 245.6 -> 244.2, 1000 x 1024 88.5 -> 88.5, 600 x 1024 58.8 -> 55.9,
+  // 64 x 4096 33.0 -> 28.6, 200 x 4096 72.4 -> 73.8; candidates 32 x 50 x
+  // 180 28.0 -> 27.5, 20 x 100 x 200 37.5 -> 38.2. (With 1 KB more shared
+  // memory, three stages ran three CTAs per SM and took 1000 x 1024 in 87.8
+  // against 88.2.)
+  if (!forced) nst = 4;
   if (nst == 3) return launch_stream_wg<T, KS, NQ, 3>(p, forced, mean_ld, num_sms, st);
   if (nst == 5) return launch_stream_wg<T, KS, NQ, 5>(p, forced, mean_ld, num_sms, st);
   return launch_stream_wg<T, KS, NQ, 4>(p, forced, mean_ld, num_sms, st);
