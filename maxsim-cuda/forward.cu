@@ -388,6 +388,8 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
   // old lane layout; with whole-sector loads and split pairs it is 0-28 %
   // faster at lq 32 on H100 (Rerank, the one exception, within 1.5 %; perf
   // notes, session 11). Very long documents take the tile kernel's splits.
+  // On sm_90a the staged wgmma stream takes one query and candidates first
+  // (its launcher declines the shapes where this kernel is faster).
   const int64_t mean_ld = Nd > 0 ? d.size(0) / Nd : 0;  // also sizes the doc splits below
   const bool stream_layout = (layout == kCross && Nq == 1) || (layout != kCross && !quant);
   if (((g_forced_cfg == -1 && stream_layout) || g_forced_cfg == -3) && prop->major >= 8 && mean_ld <= 4096 &&

@@ -6,7 +6,10 @@
 // the tile kernel's shared-memory staging, ldmatrix and barriers only add
 // latency between DRAM and the tensor cores. Any layout works; the host
 // takes it for CROSS with one query and for 16-bit GROUPED candidates and
-// LIST pairs (measured, see forward.cu).
+// LIST pairs (measured, see forward.cu). On sm_90a the staged wgmma stream
+// (forward_stream_wg.cuh) takes most of those shapes; this kernel keeps
+// documents under 64 tokens, few pairs, pair lists, 8-bit rows and the
+// search re-score.
 //
 // One warp per pair, or S = 2 / 4 warps per pair each taking every S-th of
 // the document's tiles, so the pair's warps read adjacent tiles at once
