@@ -531,13 +531,15 @@ __global__ void __launch_bounds__(NW * 32) stream_fwd_kernel(const FwdParams p) 
 #endif
 }
 
-// Whether the streaming kernel takes this forward (host side). `normalize`d
+// Whether the streaming kernel takes this forward (host side; max_lq: 128
+// for the staged wgmma stream's longer queries). `normalize`d
 // float tokens stay on the tile kernel (it derives the documents' norms from
 // its fragments); fp8 needs sm_89+.
-inline bool stream_shape_ok(at::ScalarType t, int64_t lq, bool arg, bool normalize, int sm, const FwdParams& p) {
+inline bool stream_shape_ok(at::ScalarType t, int64_t lq, bool arg, bool normalize, int sm, const FwdParams& p,
+                            int64_t max_lq = 32) {
   const bool b16 = t == at::kHalf || t == at::kBFloat16;
   const bool b8 = t == at::kChar || (t == at::kFloat8_e4m3fn && sm >= 89);
-  if (!(b16 || b8) || arg || normalize || lq < 1 || lq > 32) return false;
+  if (!(b16 || b8) || arg || normalize || lq < 1 || lq > max_lq) return false;
   const int64_t rb = p.row_bytes;
   if (rb != 64 && rb != 128 && rb != 192 && rb != 256) return false;
   if (b8 && (p.q_scale == nullptr || p.d_scale == nullptr)) return false;

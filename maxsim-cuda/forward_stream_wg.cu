@@ -62,7 +62,9 @@ bool by_nst(const FwdParams& p, int nst, int64_t mean_ld, int num_sms, cudaStrea
 template <typename T, int KS>
 bool by_nq(const FwdParams& p, int nst, int64_t mean_ld, int num_sms, cudaStream_t st) {
   if (p.lq <= 16) return by_nst<T, KS, 16>(p, nst, mean_ld, num_sms, st);
-  return by_nst<T, KS, 32>(p, nst, mean_ld, num_sms, st);
+  if (p.lq <= 32) return by_nst<T, KS, 32>(p, nst, mean_ld, num_sms, st);
+  if (p.lq <= 64) return by_nst<T, KS, 64>(p, nst, mean_ld, num_sms, st);
+  return by_nst<T, KS, 128>(p, nst, mean_ld, num_sms, st);
 }
 
 }  // namespace

@@ -1,4 +1,5 @@
-// Staged wgmma forward (sm_90a): one short query (lq <= 32) against many
+// Staged wgmma forward (sm_90a): one short query (lq <= 32; 33-128 behind
+// the developer hook set_stream_wg_long, not yet measured) against many
 // documents of 16-bit tokens, rows of 128 or 256 bytes (dim 64 / 128). The
 // memory-bound sibling of forward_stream.cuh: one pair per CTA of one
 // warpgroup; the document streams through NST shared-memory stages of 64
@@ -29,34 +30,43 @@ namespace cuda_fwd {
 template <typename T, int N>
 struct WgMmaSs;
 
-#define MAXSIM_WGMMA_SS(T, TY)                                                                                      \
-  template <>                                                                                                     \
-  struct WgMmaSs<T, 32> {                                                                                         \
-    static __device__ __forceinline__ void run(float* d, uint64_t da, uint64_t db, int scale_d) {                 \
-      asm volatile(                                                                                               \
-          "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                                            \
-          "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " "                                             \
-          "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "                              \
-          "%16, %17, p, 1, 1, 0, 0;\n}\n"                                                                         \
-          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),       \
-            "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])  \
-          : "l"(da), "l"(db), "r"(scale_d));                                                                      \
-    }                                                                                                             \
-  };                                                                                                              \
-  template <>                                                                                                     \
-  struct WgMmaSs<T, 16> {                                                                                         \
-    static __device__ __forceinline__ void run(float* d, uint64_t da, uint64_t db, int scale_d) {                 \
-      asm volatile(                                                                                               \
-          "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"                                                            \
-          "wgmma.mma_async.sync.aligned.m64n16k16.f32." TY "." TY " "                                             \
-          "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 0, 0;\n}\n"                                         \
-          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])        \
-          : "l"(da), "l"(db), "r"(scale_d));                                                                      \
-    }                                                                                                             \
+// One instance per N: REGS names the N / 2 accumulators, A / B / P the
+// operand numbers of the two descriptors and the scale-d flag after them.
+#define MAXSIM_WGMMA_SS(T, TY, N, REGS, A, B, P, ...)                                                    \
+  template <>                                                                                          \
+  struct WgMmaSs<T, N> {                                                                               \
+    static __device__ __forceinline__ void run(float* d, uint64_t da, uint64_t db, int scale_d) {      \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" P ", 0;\n"                                     \
+                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " {" REGS "}, %" A ", %" B \
+                   ", p, 1, 1, 0, 0;\n}\n"                                                              \
+                   : __VA_ARGS__                                                                       \
+                   : "l"(da), "l"(db), "r"(scale_d));                                                  \
+    }                                                                                                  \
   };
-MAXSIM_WGMMA_SS(__nv_bfloat16, "bf16")
-MAXSIM_WGMMA_SS(__half, "f16")
+#define MAXSIM_ACC8(b) "+f"(d[b]), "+f"(d[b + 1]), "+f"(d[b + 2]), "+f"(d[b + 3]), "+f"(d[b + 4]), "+f"(d[b + 5]), \
+                       "+f"(d[b + 6]), "+f"(d[b + 7])
+#define MAXSIM_ACC16(b) MAXSIM_ACC8(b), MAXSIM_ACC8(b + 8)
+#define MAXSIM_ACC32(b) MAXSIM_ACC16(b), MAXSIM_ACC16(b + 16)
+#define MAXSIM_R8 "%0, %1, %2, %3, %4, %5, %6, %7"
+#define MAXSIM_R16 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+#define MAXSIM_R32 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define MAXSIM_R64 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+MAXSIM_WGMMA_SS(__nv_bfloat16, "bf16", 16, MAXSIM_R8, "8", "9", "10", MAXSIM_ACC8(0))
+MAXSIM_WGMMA_SS(__nv_bfloat16, "bf16", 32, MAXSIM_R16, "16", "17", "18", MAXSIM_ACC16(0))
+MAXSIM_WGMMA_SS(__nv_bfloat16, "bf16", 64, MAXSIM_R32, "32", "33", "34", MAXSIM_ACC32(0))
+MAXSIM_WGMMA_SS(__nv_bfloat16, "bf16", 128, MAXSIM_R64, "64", "65", "66", MAXSIM_ACC32(0), MAXSIM_ACC32(32))
+MAXSIM_WGMMA_SS(__half, "f16", 16, MAXSIM_R8, "8", "9", "10", MAXSIM_ACC8(0))
+MAXSIM_WGMMA_SS(__half, "f16", 32, MAXSIM_R16, "16", "17", "18", MAXSIM_ACC16(0))
+MAXSIM_WGMMA_SS(__half, "f16", 64, MAXSIM_R32, "32", "33", "34", MAXSIM_ACC32(0))
+MAXSIM_WGMMA_SS(__half, "f16", 128, MAXSIM_R64, "64", "65", "66", MAXSIM_ACC32(0), MAXSIM_ACC32(32))
 #undef MAXSIM_WGMMA_SS
+#undef MAXSIM_ACC8
+#undef MAXSIM_ACC16
+#undef MAXSIM_ACC32
+#undef MAXSIM_R8
+#undef MAXSIM_R16
+#undef MAXSIM_R32
+#undef MAXSIM_R64
 
 // A 16-byte cp.async with an L2 eviction policy and the 256-byte L2
 // prefetch hint; src_size 0 zero-fills the destination.
@@ -76,7 +86,8 @@ constexpr int kStreamWgTokens = 64;    // tokens per stage (wgmma M)
 // CTAs per SM on an H100).
 constexpr int stream_wg_smem(int ks, int nq, int nst) { return (nst * kStreamWgTokens + nq) * ks * 32; }
 
-// KS: 32-byte k steps per row (4 or 8); NQ: query rows per tile (16 or 32);
+// KS: 32-byte k steps per row (4 or 8); NQ: query rows per tile (16, 32,
+// or 64 / 128: lq 33-128, behind the developer hook set_stream_wg_long);
 // NST: document stages (NST - 1 in flight while one is scored).
 template <typename T, int KS, int NQ, int NST>
 __global__ void __launch_bounds__(kStreamWgThreads) stream_wg_kernel(const FwdParams p) {
@@ -202,12 +213,20 @@ __global__ void __launch_bounds__(kStreamWgThreads) stream_wg_kernel(const FwdPa
       for (int e = 0; e < 2; ++e) red[warp * NQ + 8 * j + 2 * c + e] = best[2 * j + e];
   __syncthreads();
   if (warp == 0) {
-    float v = neg_inf();
-    if (lane < NQ)
-      v = max_nan(max_nan(red[lane], red[NQ + lane]), max_nan(red[2 * NQ + lane], red[3 * NQ + lane]));
-    bool use = ok && lane < ql && v != neg_inf();
-    if (use && p.q_mask != nullptr) use = p.q_mask[(int64_t)qs + lane];
-    const float sum = warp_sum(use ? v : 0.f);
+    // Lane l sums query rows l, l + 32, ... (one row for lq <= 32: the
+    // mma.sync stream's order), then the warp's lanes.
+    float part = 0.f;
+#pragma unroll
+    for (int k = 0; k < (NQ + 31) / 32; ++k) {
+      const int row = lane + 32 * k;
+      float v = neg_inf();
+      if (row < NQ)
+        v = max_nan(max_nan(red[row], red[NQ + row]), max_nan(red[2 * NQ + row], red[3 * NQ + row]));
+      bool use = ok && row < ql && v != neg_inf();
+      if (use && p.q_mask != nullptr) use = p.q_mask[(int64_t)qs + row];
+      part = k == 0 ? (use ? v : 0.f) : part + (use ? v : 0.f);
+    }
+    const float sum = warp_sum(part);
     if (lane == 0) p.scores[pr] = ok ? sum : __int_as_float(0x7fc00000);
   }
 #endif
