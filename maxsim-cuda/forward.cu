@@ -222,6 +222,12 @@ void run_stream_any(at::ScalarType t, const FwdParams& p, int64_t mean_ld, int n
     run_stream<__nv_fp8_e4m3>(p, mean_ld, num_sms, st);
 }
 
+// fp16 / bf16 only (stream_wg_ok).
+bool run_stream_wg_any(at::ScalarType t, const FwdParams& p, int nst, int64_t mean_ld, int num_sms, cudaStream_t st) {
+  if (t == at::kHalf) return run_stream_wg<__half>(p, nst, mean_ld, num_sms, st);
+  return run_stream_wg<__nv_bfloat16>(p, nst, mean_ld, num_sms, st);
+}
+
 void run_simt_any(at::ScalarType t, bool arg, const FwdParams& p, int64_t item0, int64_t n, cudaStream_t st) {
   if (t == at::kHalf)
     run_simt<__half>(arg, p, item0, n, st);
@@ -411,8 +417,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
     p.stream_extent = by_position && (g_stream_spec & 1) && Nd > 0 && d.size(0) % Nd == 0 ? d.size(0) / Nd : 0;
     p.stream_qextent = by_position && (g_stream_spec & 2) && Nq > 0 && q.size(0) % Nq == 0 ? q.size(0) / Nq : 0;
     if (g_stream_wg != 0 && stream_wg_ok(dtype, prop->major * 10 + prop->minor, p) &&
-        (dtype == at::kHalf ? run_stream_wg<__half>(p, g_stream_wg, mean_ld, prop->multiProcessorCount, stream)
-                            : run_stream_wg<__nv_bfloat16>(p, g_stream_wg, mean_ld, prop->multiProcessorCount, stream)))
+        run_stream_wg_any(dtype, p, g_stream_wg, mean_ld, prop->multiProcessorCount, stream))
       return {scores, argmax};
     run_stream_any(dtype, p, mean_ld, prop->multiProcessorCount, stream);
     return {scores, argmax};
@@ -421,9 +426,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
       stream_shape_ok(dtype, lq, arg, scaled, prop->major * 10 + prop->minor, p, 128) &&
       stream_wg_ok(dtype, prop->major * 10 + prop->minor, p)) {
     p.stream_keep = g_stream_keep;
-    if (dtype == at::kHalf ? run_stream_wg<__half>(p, g_stream_wg_long, mean_ld, prop->multiProcessorCount, stream)
-                           : run_stream_wg<__nv_bfloat16>(p, g_stream_wg_long, mean_ld, prop->multiProcessorCount,
-                                                          stream))
+    if (run_stream_wg_any(dtype, p, g_stream_wg_long, mean_ld, prop->multiProcessorCount, stream))
       return {scores, argmax};
   }
   const size_t smem_optin = prop->sharedMemPerBlockOptin;

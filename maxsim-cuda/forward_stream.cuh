@@ -553,9 +553,9 @@ template <typename T>
 void run_stream(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st);
 
 template <typename Kern>
-int stream_blocks_per_sm(Kern kern, int threads) {
+int stream_blocks_per_sm(Kern kern, int threads, size_t smem = 0) {
   int b = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kern, threads, 0));
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kern, threads, smem));
   return std::max(b, 1);
 }
 
@@ -568,6 +568,13 @@ inline bool stream_fits_l2(const FwdParams& p, int64_t mean_ld) {
   const int64_t rows = std::min<int64_t>(p.Td, p.P * std::max<int64_t>(mean_ld, 1));
   const int64_t l2 = at::cuda::getCurrentDeviceProperties()->l2CacheSize;
   return rows * p.row_bytes * 4 <= l2 * 3;
+}
+
+// The plain-load prefix of a scan of >= 12 waves (see launch_stream_mt):
+// the CTAs that read the first ~2.5 L2 sizes, at least 2.
+inline int64_t stream_plain_prefix(int64_t cta_bytes) {
+  const int64_t l2 = at::cuda::getCurrentDeviceProperties()->l2CacheSize;
+  return std::min<int64_t>(std::max<int64_t>(2, 5 * l2 / 2 / std::max<int64_t>(1, cta_bytes)), INT32_MAX - 1);
 }
 
 // stream_keep as the kernel reads it: the number of leading CTAs that load
@@ -688,11 +695,8 @@ void launch_stream_mt(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st
   // staying in L2 for the next call on the same inputs. Measured for
   // 16-bit rows only.
   int64_t prefix = 0;
-  if (p.stream_keep < 0 && b16 && blocks() >= 12 * wave) {
-    const int64_t cta_bytes = std::max<int64_t>(1, kStreamWarps / p.stream_split * mean_ld * p.row_bytes);
-    const int64_t l2 = at::cuda::getCurrentDeviceProperties()->l2CacheSize;
-    prefix = std::min<int64_t>(std::max<int64_t>(2, 5 * l2 / 2 / cta_bytes), INT32_MAX - 1);
-  }
+  if (p.stream_keep < 0 && b16 && blocks() >= 12 * wave)
+    prefix = stream_plain_prefix(kStreamWarps / p.stream_split * mean_ld * p.row_bytes);
   p.stream_keep = stream_plain_ctas(p, mean_ld, prefix);
   launch_pdl(kern, dim3((unsigned)blocks()), dim3(kStreamWarps * 32), 0, st, p);
 }

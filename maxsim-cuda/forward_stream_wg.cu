@@ -14,11 +14,7 @@ bool launch_stream_wg(FwdParams p, bool forced, int64_t mean_ld, int num_sms, cu
   constexpr int smem = stream_wg_smem(KS, NQ, NST);
   static int set_bytes[kSmemOptInDevices] = {};
   opt_in_dynamic_smem(kern, smem, set_bytes);
-  static const int per_sm = [&] {
-    int b = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kern, kStreamWgThreads, smem));
-    return std::max(b, 1);
-  }();
+  static const int per_sm = stream_blocks_per_sm(kern, kStreamWgThreads, smem);
   const int64_t wave = (int64_t)per_sm * num_sms;
   // Where the mma.sync stream stays (H100, session 32, graph us, stream ->
   // this kernel): documents shorter than a stage, whose CTA stages as many
@@ -32,12 +28,7 @@ bool launch_stream_wg(FwdParams p, bool forced, int64_t mean_ld, int num_sms, cu
   p.stream_multiwave = p.P > wave;
   // The streaming kernel's rule: scans of >= 12 waves load their first ~2.5
   // L2 sizes plainly (a dirty L2 drains up front).
-  int64_t prefix = 0;
-  if (p.stream_keep < 0 && p.P >= 12 * wave) {
-    const int64_t cta_bytes = std::max<int64_t>(1, mean_ld * p.row_bytes);
-    const int64_t l2 = at::cuda::getCurrentDeviceProperties()->l2CacheSize;
-    prefix = std::min<int64_t>(std::max<int64_t>(2, 5 * l2 / 2 / cta_bytes), INT32_MAX - 1);
-  }
+  const int64_t prefix = p.stream_keep < 0 && p.P >= 12 * wave ? stream_plain_prefix(mean_ld * p.row_bytes) : 0;
   p.stream_keep = stream_plain_ctas(p, mean_ld, prefix);
   launch_pdl(kern, dim3((unsigned)p.P), dim3(kStreamWgThreads), smem, st, p);
   return true;
