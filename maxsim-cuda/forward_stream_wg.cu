@@ -6,29 +6,15 @@
 
 namespace maxsim {
 namespace cuda_fwd {
-// Developer hook: at most this many CTAs per SM (0 = as many as fit), by
-// asking for more shared memory than the stages need.
-static int g_wg_ctas = 0;
-void set_stream_wg_ctas(int ctas) { g_wg_ctas = ctas; }
-
 namespace {
-
-// Dynamic shared memory that keeps at most `ctas` CTAs on an SM.
-int capped_smem(int smem, int ctas) {
-  if (ctas <= 0) return smem;
-  const auto* prop = at::cuda::getCurrentDeviceProperties();
-  const int per_cta = (int)(prop->sharedMemPerMultiprocessor / (ctas + 1)) - (int)prop->reservedSharedMemPerBlock + 128;
-  return std::min<int>(std::max(smem, per_cta & ~127), (int)prop->sharedMemPerBlockOptin);
-}
 
 template <typename T, int KS, int NQ, int NST>
 bool launch_stream_wg(FwdParams p, bool forced, int64_t mean_ld, int num_sms, cudaStream_t st) {
   auto kern = stream_wg_kernel<T, KS, NQ, NST>;
-  const int smem = capped_smem(stream_wg_smem(KS, NQ, NST), g_wg_ctas);
+  constexpr int smem = stream_wg_smem(KS, NQ, NST);
   static int set_bytes[kSmemOptInDevices] = {};
   opt_in_dynamic_smem(kern, smem, set_bytes);
-  static const int per_sm_all = stream_blocks_per_sm(kern, kStreamWgThreads, stream_wg_smem(KS, NQ, NST));
-  const int per_sm = g_wg_ctas > 0 ? std::min(per_sm_all, g_wg_ctas) : per_sm_all;
+  static const int per_sm = stream_blocks_per_sm(kern, kStreamWgThreads, smem);
   const int64_t wave = (int64_t)per_sm * num_sms;
   // Where the mma.sync stream stays (H100, session 32, graph us, stream ->
   // this kernel): documents shorter than a stage, whose CTA stages as many
