@@ -80,9 +80,9 @@ void set_stream_spec(int on) { g_stream_spec = on; }
 static int g_stream_wg = -1;  // staged wgmma stream kernel: its document stages (3-5), 0 off, -1 heuristic
 void set_stream_wg(int nst) { g_stream_wg = nst; }
 // The staged wgmma stream for queries of 33-128 rows (one query or per-query
-// candidates), with this many stages (0 = off: the tile kernels). Not yet
-// measured, so off by default.
-static int g_stream_wg_long = 0;
+// candidates): this many stages (3-5), 0 off (the tile kernels), -1 the
+// launcher's rule.
+static int g_stream_wg_long = -1;
 void set_stream_wg_long(int nst) { g_stream_wg_long = nst; }
 
 namespace {
@@ -422,7 +422,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
     run_stream_any(dtype, p, mean_ld, prop->multiProcessorCount, stream);
     return {scores, argmax};
   }
-  if (g_stream_wg_long > 0 && g_forced_cfg == -1 && stream_layout && lq > 32 && mean_ld <= 4096 &&
+  if (g_stream_wg_long != 0 && g_forced_cfg == -1 && stream_layout && lq > 32 && mean_ld <= 4096 &&
       stream_shape_ok(dtype, lq, arg, scaled, prop->major * 10 + prop->minor, p, 128) &&
       stream_wg_ok(dtype, prop->major * 10 + prop->minor, p)) {
     p.stream_keep = g_stream_keep;

@@ -464,10 +464,10 @@ def test_packed_documents_off_the_even_grid(ms, device, dtype, dim):
 
 
 @pytest.mark.parametrize("dim", [64, 128])
-@pytest.mark.parametrize("lq", [1, 8, 16, 17, 32])
+@pytest.mark.parametrize("lq", [1, 8, 16, 17, 32, 33, 64, 100, 128])
 def test_many_pairs_at_stage_edges(ms, device, dtype, dim, lq):
-    """1200 pairs of one short query: on an H100 at least one full wave of
-    the sm_90a staged wgmma stream, which scores documents in stages of 64
+    """1200 pairs of one query of 1-128 rows: on an H100 at least one full
+    wave of the sm_90a staged wgmma stream, which scores documents in stages of 64
     tokens through a ring of 3-5 shared-memory stages. Lengths at every
     stage edge (0, 1, 63, 64, 65, 127, 128, 129, 191, 192, 193) and long
     documents (1100 tokens: the ring wraps), token-mask holes, a document
