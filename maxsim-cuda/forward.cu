@@ -422,6 +422,8 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
     run_stream_any(dtype, p, mean_ld, prop->multiProcessorCount, stream);
     return {scores, argmax};
   }
+  // Queries of 33-128 rows, one query or candidates: the staged wgmma stream
+  // before the tile kernels (its launcher's rule, forward_stream_wg.cu).
   if (g_stream_wg_long != 0 && g_forced_cfg == -1 && stream_layout && lq > 32 && mean_ld <= 4096 &&
       stream_shape_ok(dtype, lq, arg, scaled, prop->major * 10 + prop->minor, p, 128) &&
       stream_wg_ok(dtype, prop->major * 10 + prop->minor, p)) {

@@ -23,8 +23,16 @@ bool launch_stream_wg(FwdParams p, bool forced, int64_t mean_ld, int num_sms, cu
   // 128-byte rows in under three waves of one pair per CTA (1000 x 300
   // tokens, 1.26 waves: 11.7 -> 14.0; 4000 x 300: 56.0 -> 53.0).
   // Few pairs: one warpgroup per pair walks its stages in sequence, where
-  // the mma.sync stream spreads a pair over up to 8 warps.
-  if (!forced && (mean_ld < kStreamWgTokens || p.P < 32 || (KS == 4 && p.P < 3 * wave))) return false;
+  // the mma.sync stream spreads a pair over up to 8 warps. Queries of 33-128
+  // rows have no mma.sync stream: against the tile kernels this kernel wins
+  // at every length and count measured (session 33, graph / do_bench us,
+  // tile -> this: dim 128 lq 48 one query x 31 documents of 300 tokens
+  // 10.0 / 24.9 -> 4.4 / 15.4, x 1000 of 32 13.7 / 17.7 -> 9.2 / 15.3; dim 64
+  // lq 128 1000 x 1024 58.0 / 69.7 -> 51.0 / 58.3), except graph time at
+  // dim 128 lq 128 over long documents in several waves (1000 x 1024 92.6 /
+  // 104.4 -> 93.1 / 103.5; 200 x 4096 76.8 / 89.9 -> 79.0 / 90.6; 3000 x
+  // 300 86.8 / 99.1 -> 90.2 / 91.3), where cold-L2 time still gains.
+  if (!forced && NQ <= 32 && (mean_ld < kStreamWgTokens || p.P < 32 || (KS == 4 && p.P < 3 * wave))) return false;
   p.stream_multiwave = p.P > wave;
   // The streaming kernel's rule: scans of >= 12 waves load their first ~2.5
   // L2 sizes plainly (a dirty L2 drains up front).
