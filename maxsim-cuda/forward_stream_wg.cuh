@@ -1,5 +1,4 @@
-// Staged wgmma forward (sm_90a): one short query (lq <= 32; 33-128 behind
-// the developer hook set_stream_wg_long, not yet measured) against many
+// Staged wgmma forward (sm_90a): one query of up to 128 rows against many
 // documents of 16-bit tokens, rows of 128 or 256 bytes (dim 64 / 128). The
 // memory-bound sibling of forward_stream.cuh: one pair per CTA of one
 // warpgroup; the document streams through NST shared-memory stages of 64
@@ -87,7 +86,7 @@ constexpr int kStreamWgTokens = 64;    // tokens per stage (wgmma M)
 constexpr int stream_wg_smem(int ks, int nq, int nst) { return (nst * kStreamWgTokens + nq) * ks * 32; }
 
 // KS: 32-byte k steps per row (4 or 8); NQ: query rows per tile (16, 32,
-// or 64 / 128: lq 33-128, behind the developer hook set_stream_wg_long);
+// or 64 / 128 for lq 33-128);
 // NST: document stages (NST - 1 in flight while one is scored).
 template <typename T, int KS, int NQ, int NST>
 __global__ void __launch_bounds__(kStreamWgThreads) stream_wg_kernel(const FwdParams p) {
