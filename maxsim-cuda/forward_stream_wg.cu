@@ -31,8 +31,12 @@ bool launch_stream_wg(FwdParams p, bool forced, int64_t mean_ld, int num_sms, cu
   // lq 128 1000 x 1024 58.0 / 69.7 -> 51.0 / 58.3), except graph time at
   // dim 128 lq 128 over long documents in several waves (1000 x 1024 92.6 /
   // 104.4 -> 93.1 / 103.5; 200 x 4096 76.8 / 89.9 -> 79.0 / 90.6; 3000 x
-  // 300 86.8 / 99.1 -> 90.2 / 91.3), where cold-L2 time gains but at 4096.
+  // 300 86.8 / 99.1 -> 90.2 / 91.3), where the do_bench time (cold L2)
+  // gains too except at 4096 tokens. Not measured: documents past 1024
+  // tokens in fewer pairs than half the SMs, where one warpgroup walks each
+  // pair while the tile kernels split it; they stay on the tile kernels.
   if (!forced && NQ <= 32 && (mean_ld < kStreamWgTokens || p.P < 32 || (KS == 4 && p.P < 3 * wave))) return false;
+  if (!forced && NQ > 32 && mean_ld > 1024 && 2 * p.P < num_sms) return false;
   p.stream_multiwave = p.P > wave;
   // The streaming kernel's rule: scans of >= 12 waves load their first ~2.5
   // L2 sizes plainly (a dirty L2 drains up front).
