@@ -6,7 +6,31 @@
 
 namespace maxsim {
 namespace cuda_fwd {
+// Developer hook: one query's many pairs on the persistent variant (one
+// wave of CTAs whose rings fill across pairs; 4 stages). Off by default:
+// compiled, not yet measured.
+static int g_wg_persist = 0;
+void set_stream_wg_persist(int on) { g_wg_persist = on; }
+
 namespace {
+
+// One query in more pairs than one wave: the persistent variant. Returns
+// false where it does not apply.
+template <typename T, int KS, int NQ>
+bool launch_stream_wg_persist(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st) {
+  auto kern = stream_wg_kernel<T, KS, NQ, 4, true>;
+  constexpr int smem = stream_wg_persist_smem(KS, NQ, 4);
+  static int set_bytes[kSmemOptInDevices] = {};
+  opt_in_dynamic_smem(kern, smem, set_bytes);
+  static const int per_sm = stream_blocks_per_sm(kern, kStreamWgThreads, smem);
+  const int64_t wave = (int64_t)per_sm * num_sms;
+  if (!(p.layout == kCrossL && p.Nq == 1) || p.P <= wave) return false;
+  p.stream_multiwave = false;
+  const int64_t prefix = p.stream_keep < 0 && p.P >= 12 * wave ? stream_plain_prefix(mean_ld * p.row_bytes) : 0;
+  p.stream_keep = stream_plain_ctas(p, mean_ld, prefix);
+  launch_pdl(kern, dim3((unsigned)wave), dim3(kStreamWgThreads), smem, st, p);
+  return true;
+}
 
 template <typename T, int KS, int NQ, int NST>
 bool launch_stream_wg(FwdParams p, bool forced, int64_t mean_ld, int num_sms, cudaStream_t st) {
@@ -37,6 +61,7 @@ bool launch_stream_wg(FwdParams p, bool forced, int64_t mean_ld, int num_sms, cu
   // pair while the tile kernels split it; they stay on the tile kernels.
   if (!forced && NQ <= 32 && (mean_ld < kStreamWgTokens || p.P < 32 || (KS == 4 && p.P < 3 * wave))) return false;
   if (!forced && NQ > 32 && mean_ld > 1024 && 2 * p.P < num_sms) return false;
+  if (g_wg_persist && launch_stream_wg_persist<T, KS, NQ>(p, mean_ld, num_sms, st)) return true;
   p.stream_multiwave = p.P > wave;
   // The streaming kernel's rule: scans of >= 12 waves load their first ~2.5
   // L2 sizes plainly (a dirty L2 drains up front).
