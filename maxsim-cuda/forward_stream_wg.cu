@@ -14,28 +14,12 @@ void set_stream_wg_persist(int on) { g_wg_persist = on; }
 
 namespace {
 
-// One query in more pairs than one wave: the persistent variant. Returns
-// false where it does not apply.
-template <typename T, int KS, int NQ>
-bool launch_stream_wg_persist(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st) {
-  auto kern = stream_wg_kernel<T, KS, NQ, 4, true>;
-  constexpr int smem = stream_wg_persist_smem(KS, NQ, 4);
-  static int set_bytes[kSmemOptInDevices] = {};
-  opt_in_dynamic_smem(kern, smem, set_bytes);
-  static const int per_sm = stream_blocks_per_sm(kern, kStreamWgThreads, smem);
-  const int64_t wave = (int64_t)per_sm * num_sms;
-  if (!(p.layout == kCrossL && p.Nq == 1) || p.P <= wave) return false;
-  p.stream_multiwave = false;
-  const int64_t prefix = p.stream_keep < 0 && p.P >= 12 * wave ? stream_plain_prefix(mean_ld * p.row_bytes) : 0;
-  p.stream_keep = stream_plain_ctas(p, mean_ld, prefix);
-  launch_pdl(kern, dim3((unsigned)wave), dim3(kStreamWgThreads), smem, st, p);
-  return true;
-}
-
-template <typename T, int KS, int NQ, int NST>
+// PERSIST: one query in more pairs than one wave, on one wave of the
+// persistent variant (false where that does not apply).
+template <typename T, int KS, int NQ, int NST, bool PERSIST = false>
 bool launch_stream_wg(FwdParams p, bool forced, int64_t mean_ld, int num_sms, cudaStream_t st) {
-  auto kern = stream_wg_kernel<T, KS, NQ, NST>;
-  constexpr int smem = stream_wg_smem(KS, NQ, NST);
+  auto kern = stream_wg_kernel<T, KS, NQ, NST, PERSIST>;
+  constexpr int smem = PERSIST ? stream_wg_persist_smem(KS, NQ, NST) : stream_wg_smem(KS, NQ, NST);
   static int set_bytes[kSmemOptInDevices] = {};
   opt_in_dynamic_smem(kern, smem, set_bytes);
   static const int per_sm = stream_blocks_per_sm(kern, kStreamWgThreads, smem);
@@ -59,15 +43,19 @@ bool launch_stream_wg(FwdParams p, bool forced, int64_t mean_ld, int num_sms, cu
   // gains too except at 4096 tokens. Not measured: documents past 1024
   // tokens in fewer pairs than half the SMs, where one warpgroup walks each
   // pair while the tile kernels split it; they stay on the tile kernels.
-  if (!forced && NQ <= 32 && (mean_ld < kStreamWgTokens || p.P < 32 || (KS == 4 && p.P < 3 * wave))) return false;
-  if (!forced && NQ > 32 && mean_ld > 1024 && 2 * p.P < num_sms) return false;
-  if (g_wg_persist && launch_stream_wg_persist<T, KS, NQ>(p, mean_ld, num_sms, st)) return true;
-  p.stream_multiwave = p.P > wave;
+  if constexpr (PERSIST) {
+    if (!(p.layout == kCrossL && p.Nq == 1) || p.P <= wave) return false;
+  } else {
+    if (!forced && NQ <= 32 && (mean_ld < kStreamWgTokens || p.P < 32 || (KS == 4 && p.P < 3 * wave))) return false;
+    if (!forced && NQ > 32 && mean_ld > 1024 && 2 * p.P < num_sms) return false;
+    if (g_wg_persist && launch_stream_wg<T, KS, NQ, 4, true>(p, forced, mean_ld, num_sms, st)) return true;
+  }
+  p.stream_multiwave = !PERSIST && p.P > wave;
   // The streaming kernel's rule: scans of >= 12 waves load their first ~2.5
   // L2 sizes plainly (a dirty L2 drains up front).
   const int64_t prefix = p.stream_keep < 0 && p.P >= 12 * wave ? stream_plain_prefix(mean_ld * p.row_bytes) : 0;
   p.stream_keep = stream_plain_ctas(p, mean_ld, prefix);
-  launch_pdl(kern, dim3((unsigned)p.P), dim3(kStreamWgThreads), smem, st, p);
+  launch_pdl(kern, dim3((unsigned)(PERSIST ? wave : p.P)), dim3(kStreamWgThreads), smem, st, p);
   return true;
 }
 

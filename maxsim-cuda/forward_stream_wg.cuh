@@ -116,8 +116,14 @@ __global__ void __launch_bounds__(kStreamWgThreads) stream_wg_kernel(const FwdPa
   }
   int qs = 0, ql = 0, ds = 0, dl = 0;
   const bool qok = query_ok(p, n, qs, ql);
-  bool ok = doc_ok(p, dn, ds, dl) && qok;
-  if (!ok) dl = 0;
+  // A pair's document (no tokens when the pair is invalid) and its stages.
+  auto pair_doc = [&](int64_t dn_, int& ds_, int& dl_) {
+    const bool ok_ = doc_ok(p, dn_, ds_, dl_) && qok;
+    if (!ok_) dl_ = 0;
+    return ok_;
+  };
+  auto stages = [](int dl_) { return (dl_ + kStreamWgTokens - 1) / kStreamWgTokens; };
+  bool ok = pair_doc(dn, ds, dl);
   uint64_t pol, pol_keep = 0;
   if constexpr (PERSIST) {
     asm("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(pol_keep));
@@ -138,7 +144,7 @@ __global__ void __launch_bounds__(kStreamWgThreads) stream_wg_kernel(const FwdPa
   };
   // Copy x of a stage: row x / CH, chunk x % CH (a row's chunks on
   // consecutive threads).
-  int nst = (dl + kStreamWgTokens - 1) / kStreamWgTokens;
+  int nst = stages(dl);
   // Stage t of the document at ds (dl tokens) into ring slot `slot`.
   auto copy_stage = [&](uint32_t slot, int t, int sds, int sdl, uint64_t spol) {
     const uint32_t dst = sbase + slot * SB;
@@ -165,9 +171,8 @@ __global__ void __launch_bounds__(kStreamWgThreads) stream_wg_kernel(const FwdPa
       lpr += gridDim.x;
       lt = lnst = 0;
       if (lpr < p.P) {
-        const bool lok = doc_ok(p, lpr, lds, ldl) && qok;
-        if (!lok) ldl = 0;
-        lnst = (ldl + kStreamWgTokens - 1) / kStreamWgTokens;
+        pair_doc(lpr, lds, ldl);
+        lnst = stages(ldl);
       }
     }
     if (lt < lnst) {
@@ -287,9 +292,8 @@ __global__ void __launch_bounds__(kStreamWgThreads) stream_wg_kernel(const FwdPa
       __syncthreads();  // warp 0 has read `red` before the next pair writes it
       pr += gridDim.x;
       if (pr >= p.P) break;
-      ok = doc_ok(p, pr, ds, dl) && qok;
-      if (!ok) dl = 0;
-      nst = (dl + kStreamWgTokens - 1) / kStreamWgTokens;
+      ok = pair_doc(pr, ds, dl);
+      nst = stages(dl);
     }
   }
   if constexpr (PERSIST) cp_async_wait<0>();
