@@ -6,20 +6,12 @@
 
 namespace maxsim {
 namespace cuda_fwd {
-// Developer hook: one query's many pairs on the persistent variant (one
-// wave of CTAs whose rings fill across pairs; 4 stages). Off by default:
-// compiled, not yet measured.
-static int g_wg_persist = 0;
-void set_stream_wg_persist(int on) { g_wg_persist = on; }
-
 namespace {
 
-// PERSIST: one query in more pairs than one wave, on one wave of the
-// persistent variant (false where that does not apply).
-template <typename T, int KS, int NQ, int NST, bool PERSIST = false>
+template <typename T, int KS, int NQ, int NST>
 bool launch_stream_wg(FwdParams p, bool forced, int64_t mean_ld, int num_sms, cudaStream_t st) {
-  auto kern = stream_wg_kernel<T, KS, NQ, NST, PERSIST>;
-  constexpr int smem = PERSIST ? stream_wg_persist_smem(KS, NQ, NST) : stream_wg_smem(KS, NQ, NST);
+  auto kern = stream_wg_kernel<T, KS, NQ, NST>;
+  constexpr int smem = stream_wg_smem(KS, NQ, NST);
   static int set_bytes[kSmemOptInDevices] = {};
   opt_in_dynamic_smem(kern, smem, set_bytes);
   static const int per_sm = stream_blocks_per_sm(kern, kStreamWgThreads, smem);
@@ -40,22 +32,22 @@ bool launch_stream_wg(FwdParams p, bool forced, int64_t mean_ld, int num_sms, cu
   // dim 128 lq 128 over long documents in several waves (1000 x 1024 92.6 /
   // 104.4 -> 93.1 / 103.5; 200 x 4096 76.8 / 89.9 -> 79.0 / 90.6; 3000 x
   // 300 86.8 / 99.1 -> 90.2 / 91.3), where the do_bench time (cold L2)
-  // gains too except at 4096 tokens. Not measured: documents past 1024
-  // tokens in fewer pairs than half the SMs, where one warpgroup walks each
-  // pair while the tile kernels split it; they stay on the tile kernels.
-  if constexpr (PERSIST) {
-    if (!(p.layout == kCrossL && p.Nq == 1) || p.P <= wave) return false;
-  } else {
-    if (!forced && NQ <= 32 && (mean_ld < kStreamWgTokens || p.P < 32 || (KS == 4 && p.P < 3 * wave))) return false;
-    if (!forced && NQ > 32 && mean_ld > 1024 && 2 * p.P < num_sms) return false;
-    if (g_wg_persist && launch_stream_wg<T, KS, NQ, 4, true>(p, forced, mean_ld, num_sms, st)) return true;
-  }
-  p.stream_multiwave = !PERSIST && p.P > wave;
+  // gains too except at 4096 tokens. Few pairs of documents past 1024
+  // tokens: one warpgroup walks each pair while the tile kernels split it
+  // over the SMs, so the tile kernels keep fewer pairs than SMs / 6 at lq
+  // 33-64 and SMs / 2 at lq 65-128 (session 34, dim 128 graph / do_bench
+  // us, tile -> this: lq 48 16 x 4096 17.8 / 26.8 -> 26.6 / 30.7, 32 x 2048
+  // 16.4 / 25.3 -> 14.6 / 19.6; lq 128 32 x 2048 14.9 / 24.0 -> 19.7 / 23.9,
+  // 64 x 4096 35.6 / 46.7 -> 37.3 / 41.9, 66 x 1500 16.5 / 28.5 -> 15.8 /
+  // 22.9).
+  if (!forced && NQ <= 32 && (mean_ld < kStreamWgTokens || p.P < 32 || (KS == 4 && p.P < 3 * wave))) return false;
+  if (!forced && NQ > 32 && mean_ld > 1024 && (NQ == 64 ? 6 : 2) * p.P < num_sms) return false;
+  p.stream_multiwave = p.P > wave;
   // The streaming kernel's rule: scans of >= 12 waves load their first ~2.5
   // L2 sizes plainly (a dirty L2 drains up front).
   const int64_t prefix = p.stream_keep < 0 && p.P >= 12 * wave ? stream_plain_prefix(mean_ld * p.row_bytes) : 0;
   p.stream_keep = stream_plain_ctas(p, mean_ld, prefix);
-  launch_pdl(kern, dim3((unsigned)(PERSIST ? wave : p.P)), dim3(kStreamWgThreads), smem, st, p);
+  launch_pdl(kern, dim3((unsigned)p.P), dim3(kStreamWgThreads), smem, st, p);
   return true;
 }
 

@@ -84,19 +84,11 @@ constexpr int kStreamWgTokens = 64;    // tokens per stage (wgmma M)
 // aligned start the swizzle needs; at NST = 3 and 256-byte rows, 56 KB: four
 // CTAs per SM on an H100).
 constexpr int stream_wg_smem(int ks, int nq, int nst) { return (nst * kStreamWgTokens + nq) * ks * 32; }
-// The persistent variant adds the [4][NQ] float reduction buffer after the
-// query (its ring never retires a stage while pairs remain).
-constexpr int stream_wg_persist_smem(int ks, int nq, int nst) { return stream_wg_smem(ks, nq, nst) + 16 * nq; }
 
 // KS: 32-byte k steps per row (4 or 8); NQ: query rows per tile (16, 32,
 // or 64 / 128 for lq 33-128);
 // NST: document stages (NST - 1 in flight while one is scored).
-// PERSIST (one query, CROSS with Nq == 1; the developer hook
-// set_stream_wg_persist): one wave of CTAs, CTA b scoring pairs b, b + grid,
-// ...; the query is staged once and the ring keeps filling across pair
-// boundaries, so a pair's first stages load while the previous pair's last
-// are scored (one pair per CTA starts each pair with an empty ring).
-template <typename T, int KS, int NQ, int NST, bool PERSIST = false>
+template <typename T, int KS, int NQ, int NST>
 __global__ void __launch_bounds__(kStreamWgThreads) stream_wg_kernel(const FwdParams p) {
 #if MAXSIM_WG_DEVICE
   pdl_wait();
@@ -106,33 +98,21 @@ __global__ void __launch_bounds__(kStreamWgThreads) stream_wg_kernel(const FwdPa
   constexpr int NA = NQ / 2;                        // accumulators per thread
   constexpr int CPT = kStreamWgTokens * CH / kStreamWgThreads;  // copies per thread per stage
   const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, c = lane & 3, warp = tid >> 5;
-  int64_t pr = blockIdx.x;
+  const int64_t pr = blockIdx.x;
   int64_t n = 0, dn = pr;
-  if constexpr (!PERSIST) {
-    if (p.layout == kGroupedL)
-      n = pr / p.K;
-    else if (!(p.layout == kCrossL && p.Nq == 1))
-      pair_ids(p, pr, n, dn);
-  }
+  if (p.layout == kGroupedL)
+    n = pr / p.K;
+  else if (!(p.layout == kCrossL && p.Nq == 1))
+    pair_ids(p, pr, n, dn);
   int qs = 0, ql = 0, ds = 0, dl = 0;
   const bool qok = query_ok(p, n, qs, ql);
-  // A pair's document (no tokens when the pair is invalid) and its stages.
-  auto pair_doc = [&](int64_t dn_, int& ds_, int& dl_) {
-    const bool ok_ = doc_ok(p, dn_, ds_, dl_) && qok;
-    if (!ok_) dl_ = 0;
-    return ok_;
-  };
-  auto stages = [](int dl_) { return (dl_ + kStreamWgTokens - 1) / kStreamWgTokens; };
-  bool ok = pair_doc(dn, ds, dl);
-  uint64_t pol, pol_keep = 0;
-  if constexpr (PERSIST) {
-    asm("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(pol_keep));
-    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-  } else if ((int)blockIdx.x < p.stream_keep) {
+  const bool ok = doc_ok(p, dn, ds, dl) && qok;
+  if (!ok) dl = 0;
+  uint64_t pol;
+  if ((int)blockIdx.x < p.stream_keep)
     asm("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(pol));
-  } else {
+  else
     asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-  }
 
   extern __shared__ __align__(1024) unsigned char wg_smem[];
   const uint32_t sbase = smem_u32(wg_smem);
@@ -144,41 +124,18 @@ __global__ void __launch_bounds__(kStreamWgThreads) stream_wg_kernel(const FwdPa
   };
   // Copy x of a stage: row x / CH, chunk x % CH (a row's chunks on
   // consecutive threads).
-  int nst = stages(dl);
-  // Stage t of the document at ds (dl tokens) into ring slot `slot`.
-  auto copy_stage = [&](uint32_t slot, int t, int sds, int sdl, uint64_t spol) {
-    const uint32_t dst = sbase + slot * SB;
-#pragma unroll
-    for (int i = 0; i < CPT; ++i) {
-      const int x = tid + i * kStreamWgThreads, r = x / CH, j = x % CH;
-      const int tok = t * kStreamWgTokens + r;
-      const bool in = tok < sdl;
-      const char* src = p.d + (in ? ((int64_t)sds + tok) * RB + j * 16 : 0);
-      cp_async_pol(dst + sw(kStreamWgTokens, r, j), src, in ? 16 : 0, spol);
-    }
-  };
+  const int nst = (dl + kStreamWgTokens - 1) / kStreamWgTokens;
   auto stage_in = [&](int t) {
-    if (t < nst) copy_stage((uint32_t)(t % NST), t, ds, dl, pol);
-    cp_async_commit();
-  };
-  // PERSIST's loader: the next stage in the CTA's sequence of pairs (pairs
-  // without tokens have none), one commit group per call either way.
-  int64_t lpr = pr;
-  int lt = 0, lnst = nst, lds = ds, ldl = dl;
-  uint32_t lslot = 0;
-  auto stage_next = [&]() {
-    while (lt >= lnst && lpr < p.P) {
-      lpr += gridDim.x;
-      lt = lnst = 0;
-      if (lpr < p.P) {
-        pair_doc(lpr, lds, ldl);
-        lnst = stages(ldl);
+    if (t < nst) {
+      const uint32_t dst = sbase + (uint32_t)((t % NST) * SB);
+#pragma unroll
+      for (int i = 0; i < CPT; ++i) {
+        const int x = tid + i * kStreamWgThreads, r = x / CH, j = x % CH;
+        const int tok = t * kStreamWgTokens + r;
+        const bool in = tok < dl;
+        const char* src = p.d + (in ? ((int64_t)ds + tok) * RB + j * 16 : 0);
+        cp_async_pol(dst + sw(kStreamWgTokens, r, j), src, in ? 16 : 0, pol);
       }
-    }
-    if (lt < lnst) {
-      copy_stage(lslot, lt, lds, ldl, lpr < p.stream_keep ? pol_keep : pol);
-      ++lt;
-      lslot = lslot + 1 == NST ? 0 : lslot + 1;
     }
     cp_async_commit();
   };
@@ -192,111 +149,85 @@ __global__ void __launch_bounds__(kStreamWgThreads) stream_wg_kernel(const FwdPa
   }
   cp_async_commit();
 #pragma unroll
-  for (int t = 0; t < NST - 1; ++t) {
-    if constexpr (PERSIST)
-      stage_next();
-    else
-      stage_in(t);
-  }
+  for (int t = 0; t < NST - 1; ++t) stage_in(t);
 
-  uint32_t cslot = 0;  // PERSIST: the ring slot of the stage scored next
-  for (;;) {
-    float best[NA / 2];
+  float best[NA / 2];
 #pragma unroll
-    for (int i = 0; i < NA / 2; ++i) best[i] = neg_inf();
-    for (int t = 0; t < nst; ++t) {
-      // This thread's copies of the query and stage t have landed; the
-      // barrier makes every thread's visible to wgmma.
-      cp_async_wait<NST - 2>();
-      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-      __syncthreads();
-      float acc[NA];
-#pragma unroll
-      for (int i = 0; i < NA; ++i) acc[i] = 0.f;
-      const uint32_t abase = sbase + (PERSIST ? cslot : (uint32_t)(t % NST)) * SB;
-      wg_fence_acc<NA>(acc);
-      wg_fence();
-#pragma unroll
-      for (int s = 0; s < KS; ++s)
-        WgMmaSs<T, NQ>::run(acc, wg_desc(abase + (uint32_t)((s >> 2) * kStreamWgTokens * 128 + (s & 3) * 32)),
-                            wg_desc(qbase + (uint32_t)((s >> 2) * NQ * 128 + (s & 3) * 32)), s);
-      wg_commit();
-      // The stage scored before this one is free (its chain retired before the
-      // barrier above).
-      if constexpr (PERSIST) {
-        stage_next();
-        cslot = cslot + 1 == NST ? 0 : cslot + 1;
-      } else {
-        stage_in(t + NST - 1);
-      }
-      wg_wait<0>();
-      wg_fence_acc<NA>(acc);
-      // Columns 8 j + 2 c + e; rows g (acc 4 j + e) and g + 8 (4 j + 2 + e).
-      const int j0 = t * kStreamWgTokens + 16 * warp + g;
-      bool v0 = true, v1 = true;
-      if (!(t * kStreamWgTokens + kStreamWgTokens <= dl && p.d_mask == nullptr)) {
-        v0 = j0 < dl;
-        v1 = j0 + 8 < dl;
-        if (p.d_mask != nullptr) {
-          v0 = v0 && p.d_mask[(int64_t)ds + j0];
-          v1 = v1 && p.d_mask[(int64_t)ds + j0 + 8];
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < NQ / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e)
-          best[2 * j + e] = max_nan(best[2 * j + e], max_nan(v0 ? acc[4 * j + e] : neg_inf(),
-                                                             v1 ? acc[4 * j + 2 + e] : neg_inf()));
-    }
-    if constexpr (!PERSIST) {
-      cp_async_wait<0>();
-      if (p.stream_multiwave) pdl_trigger();
-    }
-    // Max over the warp's 16 tokens (lanes of equal c), then over the 4 warps,
-    // through a stage no wgmma reads any more: stage nst - 2's chain retired
-    // before every thread passed the barrier of stage nst - 1 (and with fewer
-    // than two stages, one was never filled). PERSIST's ring is still
-    // filling: it has a buffer of its own.
-#pragma unroll
-    for (int i = 0; i < NA / 2; ++i)
-#pragma unroll
-      for (int o = 4; o < 32; o <<= 1) best[i] = max_nan(best[i], __shfl_xor_sync(0xffffffffu, best[i], o));
-    float* red = reinterpret_cast<float*>(wg_smem + (PERSIST ? NST * SB + NQ * RB : ((nst + NST - 2) % NST) * SB));  // [4][NQ]
-    if (g == 0)
-#pragma unroll
-      for (int j = 0; j < NQ / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) red[warp * NQ + 8 * j + 2 * c + e] = best[2 * j + e];
+  for (int i = 0; i < NA / 2; ++i) best[i] = neg_inf();
+  for (int t = 0; t < nst; ++t) {
+    // This thread's copies of the query and stage t have landed; the
+    // barrier makes every thread's visible to wgmma.
+    cp_async_wait<NST - 2>();
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     __syncthreads();
-    if (warp == 0) {
-      // Lane l sums query rows l, l + 32, ... (one row for lq <= 32: the
-      // mma.sync stream's order), then the warp's lanes.
-      float part = 0.f;
+    float acc[NA];
 #pragma unroll
-      for (int k = 0; k < (NQ + 31) / 32; ++k) {
-        const int row = lane + 32 * k;
-        float v = neg_inf();
-        if (row < NQ)
-          v = max_nan(max_nan(red[row], red[NQ + row]), max_nan(red[2 * NQ + row], red[3 * NQ + row]));
-        bool use = ok && row < ql && v != neg_inf();
-        if (use && p.q_mask != nullptr) use = p.q_mask[(int64_t)qs + row];
-        part = k == 0 ? (use ? v : 0.f) : part + (use ? v : 0.f);
+    for (int i = 0; i < NA; ++i) acc[i] = 0.f;
+    const uint32_t abase = sbase + (uint32_t)((t % NST) * SB);
+    wg_fence_acc<NA>(acc);
+    wg_fence();
+#pragma unroll
+    for (int s = 0; s < KS; ++s)
+      WgMmaSs<T, NQ>::run(acc, wg_desc(abase + (uint32_t)((s >> 2) * kStreamWgTokens * 128 + (s & 3) * 32)),
+                          wg_desc(qbase + (uint32_t)((s >> 2) * NQ * 128 + (s & 3) * 32)), s);
+    wg_commit();
+    // The stage scored before this one is free (its chain retired before the
+    // barrier above).
+    stage_in(t + NST - 1);
+    wg_wait<0>();
+    wg_fence_acc<NA>(acc);
+    // Columns 8 j + 2 c + e; rows g (acc 4 j + e) and g + 8 (4 j + 2 + e).
+    const int j0 = t * kStreamWgTokens + 16 * warp + g;
+    bool v0 = true, v1 = true;
+    if (!(t * kStreamWgTokens + kStreamWgTokens <= dl && p.d_mask == nullptr)) {
+      v0 = j0 < dl;
+      v1 = j0 + 8 < dl;
+      if (p.d_mask != nullptr) {
+        v0 = v0 && p.d_mask[(int64_t)ds + j0];
+        v1 = v1 && p.d_mask[(int64_t)ds + j0 + 8];
       }
-      const float sum = warp_sum(part);
-      if (lane == 0) p.scores[pr] = ok ? sum : __int_as_float(0x7fc00000);
     }
-    if constexpr (!PERSIST) {
-      break;
-    } else {
-      __syncthreads();  // warp 0 has read `red` before the next pair writes it
-      pr += gridDim.x;
-      if (pr >= p.P) break;
-      ok = pair_doc(pr, ds, dl);
-      nst = stages(dl);
-    }
+#pragma unroll
+    for (int j = 0; j < NQ / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        best[2 * j + e] = max_nan(best[2 * j + e], max_nan(v0 ? acc[4 * j + e] : neg_inf(),
+                                                           v1 ? acc[4 * j + 2 + e] : neg_inf()));
   }
-  if constexpr (PERSIST) cp_async_wait<0>();
+  cp_async_wait<0>();
+  if (p.stream_multiwave) pdl_trigger();
+  // Max over the warp's 16 tokens (lanes of equal c), then over the 4 warps,
+  // through a stage no wgmma reads any more: stage nst - 2's chain retired
+  // before every thread passed the barrier of stage nst - 1 (and with fewer
+  // than two stages, one was never filled).
+#pragma unroll
+  for (int i = 0; i < NA / 2; ++i)
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) best[i] = max_nan(best[i], __shfl_xor_sync(0xffffffffu, best[i], o));
+  float* red = reinterpret_cast<float*>(wg_smem + ((nst + NST - 2) % NST) * SB);  // [4][NQ]
+  if (g == 0)
+#pragma unroll
+    for (int j = 0; j < NQ / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) red[warp * NQ + 8 * j + 2 * c + e] = best[2 * j + e];
+  __syncthreads();
+  if (warp == 0) {
+    // Lane l sums query rows l, l + 32, ... (one row for lq <= 32: the
+    // mma.sync stream's order), then the warp's lanes.
+    float part = 0.f;
+#pragma unroll
+    for (int k = 0; k < (NQ + 31) / 32; ++k) {
+      const int row = lane + 32 * k;
+      float v = neg_inf();
+      if (row < NQ)
+        v = max_nan(max_nan(red[row], red[NQ + row]), max_nan(red[2 * NQ + row], red[3 * NQ + row]));
+      bool use = ok && row < ql && v != neg_inf();
+      if (use && p.q_mask != nullptr) use = p.q_mask[(int64_t)qs + row];
+      part = k == 0 ? (use ? v : 0.f) : part + (use ? v : 0.f);
+    }
+    const float sum = warp_sum(part);
+    if (lane == 0) p.scores[pr] = ok ? sum : __int_as_float(0x7fc00000);
+  }
 #endif
 }
 
