@@ -34,14 +34,17 @@ bool launch_stream_wg(FwdParams p, bool forced, int64_t mean_ld, int num_sms, cu
   // 300 86.8 / 99.1 -> 90.2 / 91.3), where the do_bench time (cold L2)
   // gains too except at 4096 tokens. Few pairs of documents past 1024
   // tokens: one warpgroup walks each pair while the tile kernels split it
-  // over the SMs, so the tile kernels keep fewer pairs than SMs / 6 at lq
-  // 33-64 and SMs / 2 at lq 65-128 (session 34, dim 128 graph / do_bench
-  // us, tile -> this: lq 48 16 x 4096 17.8 / 26.8 -> 26.6 / 30.7, 32 x 2048
-  // 16.4 / 25.3 -> 14.6 / 19.6; lq 128 32 x 2048 14.9 / 24.0 -> 19.7 / 23.9,
-  // 64 x 4096 35.6 / 46.7 -> 37.3 / 41.9, 66 x 1500 16.5 / 28.5 -> 15.8 /
-  // 22.9).
+  // over the SMs. They keep, at lq a multiple of 64 (no padded query rows),
+  // fewer pairs than SMs / 2; otherwise fewer pairs than half the stages
+  // of a pair (session 34, dim 128 graph / do_bench us, tile -> this: lq 48
+  // 24 x 4096 20.4 / 31.1 -> 26.3 / 32.4, 40 x 4096 30.1 / 39.3 -> 27.0 /
+  // 31.2, 20 x 2048 15.4 / 22.8 -> 14.5 / 18.4; lq 100 24 x 4096 27.4 /
+  // 36.9 -> 35.9 / 40.5, 64 x 1500 26.5 / 35.0 -> 15.6 / 22.6; lq 128 32 x
+  // 2048 14.9 / 24.0 -> 19.7 / 23.9, 64 x 4096 35.6 / 46.7 -> 37.3 / 41.9,
+  // 100 x 4096 51.8 / 65.0 -> 41.0 / 46.7).
   if (!forced && NQ <= 32 && (mean_ld < kStreamWgTokens || p.P < 32 || (KS == 4 && p.P < 3 * wave))) return false;
-  if (!forced && NQ > 32 && mean_ld > 1024 && (NQ == 64 ? 6 : 2) * p.P < num_sms) return false;
+  if (!forced && NQ > 32 && mean_ld > 1024 && (p.lq % 64 == 0 ? 2 * p.P < num_sms : 2 * kStreamWgTokens * p.P < mean_ld))
+    return false;
   p.stream_multiwave = p.P > wave;
   // The streaming kernel's rule: scans of >= 12 waves load their first ~2.5
   // L2 sizes plainly (a dirty L2 drains up front).
