@@ -34,16 +34,20 @@ bool launch_stream_wg(FwdParams p, bool forced, int64_t mean_ld, int num_sms, cu
   // 300 86.8 / 99.1 -> 90.2 / 91.3), where the do_bench time (cold L2)
   // gains too except at 4096 tokens. Few pairs of documents past 1024
   // tokens: one warpgroup walks each pair while the tile kernels split it
-  // over the SMs. They keep, at lq a multiple of 64 (no padded query rows),
-  // fewer pairs than SMs / 2; otherwise fewer pairs than half the stages
-  // of a pair (session 34, dim 128 graph / do_bench us, tile -> this: lq 48
+  // over the SMs. They keep up to a pair per two stages of a pair, and at
+  // lq 128 (no padded query rows, their best case) fewer pairs than both
+  // SMs / 2 and 4/3 of a pair's stages (session 34, dim 128 graph /
+  // do_bench us, tile -> this: lq 48 16 x 2048 10.5 / 17.8 -> 14.2 / 18.0,
   // 24 x 4096 20.4 / 31.1 -> 26.3 / 32.4, 40 x 4096 30.1 / 39.3 -> 27.0 /
-  // 31.2, 20 x 2048 15.4 / 22.8 -> 14.5 / 18.4; lq 100 24 x 4096 27.4 /
-  // 36.9 -> 35.9 / 40.5, 64 x 1500 26.5 / 35.0 -> 15.6 / 22.6; lq 128 32 x
-  // 2048 14.9 / 24.0 -> 19.7 / 23.9, 64 x 4096 35.6 / 46.7 -> 37.3 / 41.9,
-  // 100 x 4096 51.8 / 65.0 -> 41.0 / 46.7).
+  // 31.2; lq 64 20 x 2048 15.3 / 22.5 -> 14.5 / 18.9; lq 100 30 x 4096 31.1
+  // / 39.2 -> 35.9 / 39.8, 64 x 1500 26.5 / 35.0 -> 15.6 / 22.6; lq 128 32
+  // x 2048 14.9 / 24.0 -> 19.7 / 23.9, 60 x 1500 19.6 / 30.0 -> 15.6 /
+  // 21.9, 64 x 4096 35.6 / 46.7 -> 37.3 / 41.9, 100 x 4096 51.8 / 65.0 ->
+  // 41.0 / 46.7).
   if (!forced && NQ <= 32 && (mean_ld < kStreamWgTokens || p.P < 32 || (KS == 4 && p.P < 3 * wave))) return false;
-  if (!forced && NQ > 32 && mean_ld > 1024 && (p.lq % 64 == 0 ? 2 * p.P < num_sms : 2 * kStreamWgTokens * p.P < mean_ld))
+  if (!forced && NQ > 32 && mean_ld > 1024 &&
+      (p.lq == 128 ? 2 * p.P < num_sms && 3 * kStreamWgTokens * p.P < 4 * mean_ld
+                   : 2 * kStreamWgTokens * p.P <= mean_ld))
     return false;
   p.stream_multiwave = p.P > wave;
   // The streaming kernel's rule: scans of >= 12 waves load their first ~2.5
