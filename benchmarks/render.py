@@ -196,6 +196,27 @@ def normalize_table(path: Path) -> str:
     return "\n".join(out)
 
 
+def packed_table(path: Path) -> str:
+    data = json.loads(path.read_text())
+    m = data["meta"]
+    by = {(r["workload"], r["case"], r["impl"]): r for r in data["rows"]}
+    out = [f"Packed pairs vs padded (`benchmarks/bench_packed.py`; **{m['gpu']}**, torch {m['torch']}, {m['date']}, "
+           f"commit `{m['commit']}`): `score_pairs_packed` against `score_candidates_padded` (candidates) or "
+           "`maxsim` (one query x shared documents) on the same tokens, ms eager / graph; dense = every document "
+           "at the padded length, ragged = lengths uniform in [1, Ld] (the padded side passes lengths or a mask):",
+           "", "| workload | case | padded | packed | packed / padded | tokens padded / packed |",
+           "|---|---|---|---|---|---|"]
+    for (w, c, i), r in by.items():
+        if i != "padded" or (w, c, "packed") not in by:
+            continue
+        k = by[(w, c, "packed")]
+        graph = "-" if not (r.get("graph_ms") and k.get("graph_ms")) else f"{k['graph_ms'] / r['graph_ms']:.2f}"
+        ratio = f"{k['ms'] / r['ms']:.2f} / {graph}"
+        out.append(f"| {w} | {c} | {r['ms']:.4f} / {fmt(r.get('graph_ms'), 4)} | {k['ms']:.4f} / "
+                   f"{fmt(k.get('graph_ms'), 4)} | {ratio} | {r['tokens']} / {k['tokens']} |")
+    return "\n".join(out)
+
+
 def read_floor_table(path: Path) -> str:
     data = json.loads(path.read_text())
     m = data["meta"]
@@ -227,7 +248,8 @@ def _not_gpu_table(name: str) -> bool:
 
 def _special(name: str) -> bool:
     return _not_gpu_table(name) or name.endswith(
-        ("-cold-start.json", "-search.json", "-distributed.json", "-normalize.json", "-read-floor.json"))
+        ("-cold-start.json", "-search.json", "-distributed.json", "-normalize.json", "-read-floor.json",
+         "-packed.json"))
 
 
 def render() -> str:
@@ -246,6 +268,8 @@ def render() -> str:
             parts.append(normalize_table(p))
         elif p.name.endswith("-read-floor.json"):
             parts.append(read_floor_table(p))
+        elif p.name.endswith("-packed.json"):
+            parts.append(packed_table(p))
         else:
             parts += [gpu_tables(p), chart_links(p)]
     if (res / "cpu.json").exists():
