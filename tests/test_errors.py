@@ -145,3 +145,64 @@ def test_op_level_checks_raise(ms, device):
     bad_layout[10] = 7
     raises(RuntimeError, "layout", ms.ops.forward, *bad_layout)
     raises(RuntimeError, "T = x.shape.0. = 4", ms.ops.quantize, q, 0, torch.ones(3, device=device))
+
+
+_I32 = (-(1 << 31), (1 << 31) - 1)
+
+
+def _segments_oracle(off, total, max_len):
+    off = [int(v) for v in off]
+    ok = off[0] == 0 and off[-1] == total and all(b >= a for a, b in zip(off, off[1:]))
+    lens = [b - a if ok and (max_len < 0 or b - a <= max_len) else -1 for a, b in zip(off, off[1:])]
+    return off[:-1], lens
+
+
+@pytest.mark.parametrize("n", [0, 1, 17, 1000, 70000])
+@pytest.mark.parametrize("itype", [torch.int32, torch.int64])
+def test_segments_op(ms, device, n, itype):
+    """ops.segments (the packed layouts' offsets -> start / length and int32
+    pair ids in one launch on CUDA; past 65536 segments the check + write
+    grids): valid offsets, each way of describing no layout, the length cap,
+    ids past int32."""
+    g = torch.Generator().manual_seed(n)
+    lens = torch.randint(0, 9, (n,), generator=g)
+    good = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
+    total = int(good[-1])
+    cases = [(good, total, -1), (good, total, 4), (good + 1, total + 1, -1), (good, total + 1, -1)]
+    if n >= 2:
+        dec = good.clone()
+        dec[n // 2] = dec[n // 2 + 1] + 1  # one decrease in the middle
+        cases.append((dec, total, -1))
+    ids = torch.randint(-3, 50, (n + 5,), generator=g)
+    if itype == torch.int64:
+        ids[:3] = torch.tensor([1 << 32, -(1 << 33), (1 << 31) - 1])
+    for off, tot, cap in cases:
+        args = ([off.to(itype).to(device)], [tot], [cap], [ids.to(itype).to(device)], [_I32[0]], [_I32[1]])
+        start, length = _segments_oracle(off, tot, cap)
+        want = [v if -(1 << 31) <= v < (1 << 31) else -1 for v in ids.tolist()]
+        composed = ms.scoring._segments_composed([(args[0][0], tot, cap)], [(args[3][0], *_I32)])
+        # The kernel, the fallback of builds without it, the composed ops CUDA takes by default.
+        for out in (ms.ops.segments(*args), ms.reference.segments(*args), composed):
+            assert [t.dtype for t in out] == [torch.int32] * 3
+            assert out[0].cpu().tolist() == start and out[1].cpu().tolist() == length
+            assert out[2].cpu().tolist() == want
+    # Two offsets and two id tensors in one call (the packed-pairs call).
+    # Two offsets and two int tensors in one call (a packed-pairs call; a
+    # [lo, hi] range as for lengths).
+    out = ms.ops.segments([good.to(itype).to(device), good[: n // 2 + 1].to(itype).to(device)],
+                          [total, int(good[n // 2])], [3, -1], [ids.to(device), ids[:2].to(device)],
+                          [0, -(1 << 31)], [40, (1 << 31) - 1])
+    assert len(out) == 6
+    assert out[1].cpu().tolist() == _segments_oracle(good, total, 3)[1]
+    assert out[3].cpu().tolist() == _segments_oracle(good[: n // 2 + 1], int(good[n // 2]), -1)[1]
+    assert out[4].cpu().tolist() == [v if 0 <= v <= 40 else -1 for v in ids.tolist()]
+    assert out[5].cpu().tolist() == [v if -(1 << 31) <= v < (1 << 31) else -1 for v in ids[:2].tolist()]
+
+
+def test_pair_id_past_int32_is_nan(ms, device):
+    # 2**32 used to wrap onto pair id 0 and score a real pair.
+    q, d = rand(4, 8, device=device), rand(5, 8, device=device)
+    off_q, off_d = torch.tensor([0, 4], device=device), torch.tensor([0, 5], device=device)
+    s = ms.score_pairs_packed(q, off_q, d, off_d, torch.tensor([0, 0], device=device),
+                              torch.tensor([0, 1 << 32], device=device), max_query_length=4)
+    assert not torch.isnan(s[0]) and torch.isnan(s[1])

@@ -35,6 +35,7 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
       "Tensor? pair_d, Tensor argmax, int layout, Tensor? q_ptr, "
       "Tensor? q_pairs, Tensor? d_ptr, Tensor? d_pairs, bool need_dq, "
       "bool need_dd, bool normalize=False) -> (Tensor dq, Tensor dd)");
+  ops.def("segments(Tensor[] offsets, int[] totals, int[] max_lens, Tensor[] ints, int[] lo, int[] hi) -> Tensor[]");
 #if defined(CPU_KERNEL)
   ops.impl("forward", torch::kCPU, &maxsim::forward_cpu);
   ops.impl("forward_train", torch::kCPU, &maxsim::forward_cpu);
@@ -44,6 +45,7 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.impl("decode_keys", torch::kCPU, &maxsim::decode_keys_cpu);
   ops.impl("rescore_topk", torch::kCPU, &maxsim::rescore_topk_cpu);
   ops.impl("backward", torch::kCPU, &maxsim::backward_cpu);
+  ops.impl("segments", torch::kCPU, &maxsim::segments_cpu);
 #endif
 #if defined(CUDA_KERNEL)
   ops.impl("forward", torch::kCUDA, &maxsim::forward_cuda);
@@ -54,6 +56,7 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.impl("decode_keys", torch::kCUDA, &maxsim::decode_keys_cuda);
   ops.impl("rescore_topk", torch::kCUDA, &maxsim::rescore_topk_cuda);
   ops.impl("backward", torch::kCUDA, &maxsim::backward_cuda);
+  ops.impl("segments", torch::kCUDA, &maxsim::segments_cuda);
 #endif
 #if defined(METAL_KERNEL)
   ops.impl("forward", torch::kMPS, &maxsim::forward_mps);

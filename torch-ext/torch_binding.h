@@ -117,6 +117,19 @@ using BackwardFn = std::tuple<at::Tensor, at::Tensor>(
     const std::optional<at::Tensor>& d_ptr,
     const std::optional<at::Tensor>& d_pairs, bool need_dq, bool need_dd, bool normalize);
 
+// Segments of the packed and padded layouts, so a call's index tensors cost
+// one op: offsets[i] (int32 / int64 [N_i + 1], a packed tensor of totals[i]
+// rows) -> start_i, len_i int32 [N_i] (start = offset, len = next offset -
+// offset). Offsets that do not start at 0, end at totals[i] and never
+// decrease describe no layout: every len_i is -1. A len over max_lens[i]
+// (when >= 0) is -1 too. ints[j] (int32 / int64: pair ids, lengths) ->
+// int32 copies, a value outside [lo[j], hi[j]] -> -1 (an id past int32 is
+// out of range, never another pair; a length past its extent is invalid).
+// Returns [start_0, len_0, ..., ints_0, ...]. At most two of each on CUDA,
+// one launch there for up to 65536 segments per offsets tensor.
+using SegmentsFn = std::vector<at::Tensor>(at::TensorList offsets, at::IntArrayRef totals, at::IntArrayRef max_lens,
+                                           at::TensorList ints, at::IntArrayRef lo, at::IntArrayRef hi);
+
 // kernel-builder defines one of CPU_KERNEL / CUDA_KERNEL / METAL_KERNEL per
 // build variant; the local builder (tools/build.py) also defines CPU_KERNEL
 // in the CUDA variant so CPU tensors keep a compiled path there.
@@ -128,6 +141,7 @@ BlockTopkFn block_topk_cpu;
 DecodeKeysFn decode_keys_cpu;
 RescoreTopkFn rescore_topk_cpu;
 BackwardFn backward_cpu;
+SegmentsFn segments_cpu;
 #endif
 #if defined(CUDA_KERNEL)
 ForwardFn forward_cuda;
@@ -137,6 +151,7 @@ BlockTopkFn block_topk_cuda;
 DecodeKeysFn decode_keys_cuda;
 RescoreTopkFn rescore_topk_cuda;
 BackwardFn backward_cuda;
+SegmentsFn segments_cuda;
 #endif
 #if defined(METAL_KERNEL)
 ForwardFn forward_mps;

@@ -26,6 +26,7 @@ BLOCK_TOPK = add_op_namespace_prefix("block_topk")
 DECODE_KEYS = add_op_namespace_prefix("decode_keys")
 RESCORE_TOPK = add_op_namespace_prefix("rescore_topk")
 BACKWARD = add_op_namespace_prefix("backward")
+SEGMENTS = add_op_namespace_prefix("segments")
 
 #: (op name, dispatch key) pairs served by the Python reference.
 FALLBACKS: set[tuple[str, str]] = set()
@@ -91,6 +92,12 @@ def _backward_fake(grad, q, q_start, q_len, d, d_start, d_len, pair_q, pair_d, a
     return dq, dd
 
 
+@torch.library.register_fake(SEGMENTS)
+def _segments_fake(offsets, totals, max_lens, ints, lo, hi):
+    out = []
+    for o in offsets:
+        out += [o.new_empty((o.shape[0] - 1,), dtype=torch.int32) for _ in range(2)]
+    return out + [t.new_empty(t.shape, dtype=torch.int32) for t in ints]
 
 
 def _warn_fallback(op: str, key: str) -> None:
@@ -156,12 +163,17 @@ def _reference_backward(grad, q, q_start, q_len, d, d_start, d_len, pair_q, pair
                               normalize=normalize)
 
 
+def _reference_segments(offsets, totals, max_lens, ints, lo, hi):
+    _warn_fallback("segments", (offsets[0] if offsets else ints[0]).device.type)
+    return reference.segments(offsets, totals, max_lens, ints, lo, hi)
+
+
 def _register_fallbacks() -> None:
     for key in ("CPU", "CUDA", "MPS"):
         for name, impl in ((FORWARD, _reference_forward), (FORWARD_TRAIN, _reference_forward),
                            (FORWARD_QUANT, _reference_forward_quant), (QUANTIZE, _reference_quantize), (BLOCK_TOPK, _reference_block_topk),
                            (DECODE_KEYS, _reference_decode_keys), (RESCORE_TOPK, _reference_rescore_topk),
-                           (BACKWARD, _reference_backward)):
+                           (BACKWARD, _reference_backward), (SEGMENTS, _reference_segments)):
             if not torch._C._dispatch_has_kernel_for_dispatch_key(name, key):
                 torch.library.impl(name, key)(impl)
                 FALLBACKS.add((name.split("::")[1], key))

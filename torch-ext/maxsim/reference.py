@@ -27,6 +27,20 @@ def pair_ids(layout: int, nq: int, nd: int, pair_q=None, pair_d=None, device=Non
     return pair_q.long(), pair_d.long()
 
 
+def segments(offsets, totals, max_lens, ints, lo, hi):
+    """Offsets -> (start, length) int32 segments, and int32 copies of ints
+    with values outside [lo, hi] set to -1 (contract in torch_binding.h)."""
+    out = []
+    for off, total, max_len in zip(offsets, totals, max_lens):
+        length = off[1:] - off[:-1]
+        ok = (off[0] == 0) & (off[-1] == total) & (length >= 0).all()
+        bad = ~ok | ((length > max_len) if max_len >= 0 else torch.zeros_like(ok))
+        out += [off[:-1].to(torch.int32, copy=True), torch.where(bad, -1, length).to(torch.int32)]
+    for t, a, b in zip(ints, lo, hi):
+        out.append(torch.where((t.long() < a) | (t.long() > b), -1, t).to(torch.int32, copy=True))
+    return out
+
+
 def _segments(start, length, n_rows, width, mask):
     """Row indices [N, width] and validity [N, width] of each segment."""
     ar = torch.arange(width, device=start.device)

@@ -9,6 +9,7 @@ device, where the affected scores come out NaN rather than garbage.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -166,27 +167,52 @@ def _uniform_segments(n: int, extent: int, device) -> tuple[Tensor, Tensor]:
                                   torch.full((n,), extent, device=device, dtype=torch.int32)))
 
 
+_I32_RANGE = (-(1 << 31), (1 << 31) - 1)
+
+
+# maxsim-cuda/segments.cu has not run on a GPU yet: CUDA tensors take the
+# composed ops below (the path the device tests last passed) unless
+# MAXSIM_SEGMENTS_KERNEL=1.
+_SEGMENTS_KERNEL_ON_CUDA = os.environ.get("MAXSIM_SEGMENTS_KERNEL", "0") == "1"
+
+
+def _segments(offsets=(), ints=()) -> list:
+    """A call's index tensors from one op (one launch on a GPU; contract in
+    torch_binding.h): ``offsets`` [(offsets, total, max_len)] -> start, len
+    each (offsets that describe no layout poison every segment); ``ints``
+    [(tensor, lo, hi)] -> flat int32 copies, -1 outside [lo, hi]."""
+    if not offsets and not ints:
+        return []
+    device = (offsets[0][0] if offsets else ints[0][0]).device
+    if device.type == "cuda" and not _SEGMENTS_KERNEL_ON_CUDA:
+        return _segments_composed(offsets, ints)
+    return ops.segments([o for o, _, _ in offsets], [t for _, t, _ in offsets], [m for _, _, m in offsets],
+                        [t.reshape(-1) for t, _, _ in ints], [a for _, a, _ in ints], [b for _, _, b in ints])
+
+
+def _segments_composed(offsets=(), ints=()) -> list:
+    """``_segments`` from tensor ops (a launch each on a GPU)."""
+    out = []
+    for off, total, max_len in offsets:
+        length = off[1:] - off[:-1]
+        ok = (off[0] == 0) & (off[-1] == total) & (length >= 0).all()
+        start, length = off[:-1], torch.where(ok, length, -1)
+        if max_len >= 0:
+            length = torch.where(length > max_len, -1, length)
+        if off.dtype != torch.int32:
+            start, length = start.to(torch.int32), length.to(torch.int32)
+        out += [start, length]
+    for t, lo, hi in ints:
+        t = t.reshape(-1)
+        out.append(torch.where((t < lo) | (t > hi), -1, t).to(torch.int32))
+    return out
+
+
 def _padded_segments(n: int, extent: int, lengths: Optional[Tensor], device) -> tuple[Tensor, Tensor]:
     start, full = _uniform_segments(n, extent, device)
     if lengths is None:
         return start, full
-    lengths = lengths.reshape(-1)
-    bad = (lengths < 0) | (lengths > extent)
-    return start, torch.where(bad, -1, lengths).to(torch.int32)
-
-
-def _offset_segments(offsets: Tensor, total: int) -> tuple[Tensor, Tensor]:
-    # Offsets that do not start at 0, end at the token count and never
-    # decrease describe no layout (segments would overlap): every segment is
-    # poisoned. Valid ones keep each start in [0, total]; the kernels ignore
-    # the start of a segment whose length is negative. Few ops on purpose:
-    # each is a kernel launch on a GPU, and this runs on every call.
-    length = offsets[1:] - offsets[:-1]
-    ok = (offsets[0] == 0) & (offsets[-1] == total) & (length >= 0).all()
-    start, length = offsets[:-1], torch.where(ok, length, -1)
-    if offsets.dtype != torch.int32:
-        start, length = start.to(torch.int32), length.to(torch.int32)
-    return start, length
+    return start, _segments(ints=[(lengths, 0, extent)])[0]
 
 
 def _flat(x: Tensor) -> Tensor:
@@ -263,8 +289,13 @@ def _candidates(queries, documents, query_lengths, doc_lengths, *, mode, validat
     dev = queries.device
     if B * K == 0:
         return _empty_result((B, K), Lq, queries, mode)
-    q_start, q_len = _padded_segments(B, Lq, query_lengths, dev)
-    d_start, d_len = _padded_segments(B * K, Ld, doc_lengths, dev)
+    q_start, q_len = _uniform_segments(B, Lq, dev)
+    d_start, d_len = _uniform_segments(B * K, Ld, dev)
+    capped = iter(_segments(ints=[(t, 0, e) for t, e in ((query_lengths, Lq), (doc_lengths, Ld)) if t is not None]))
+    if query_lengths is not None:
+        q_len = next(capped)
+    if doc_lengths is not None:
+        d_len = next(capped)
     kind = _argmax_kind(mode == "train", mode == "argmax", Ld)
     scores, argmax = _run(queries, q_start, q_len, None, documents, d_start, d_len,
                           None, None, None, GROUPED, Lq, kind, tf32, normalize)
@@ -333,8 +364,11 @@ def _contrastive(queries, documents, document_offsets, query_lengths, *, mode, v
     dev = queries.device
     if Nq * Nb == 0:
         return _empty_result((Nq, Nb), Lq, queries, mode)
-    q_start, q_len = _padded_segments(Nq, Lq, query_lengths, dev)
-    d_start, d_len = _offset_segments(document_offsets, T)
+    q_start, q_len = _uniform_segments(Nq, Lq, dev)
+    seg = _segments([(document_offsets, T, -1)], [(query_lengths, 0, Lq)] if query_lengths is not None else [])
+    d_start, d_len = seg[0], seg[1]
+    if query_lengths is not None:
+        q_len = seg[2]
     kind = _argmax_kind(mode == "train", mode == "argmax", T)
     scores, argmax = _run(queries, q_start, q_len, None, documents, d_start, d_len,
                           None, None, None, CROSS, Lq, kind, tf32, normalize)
@@ -399,23 +433,24 @@ def _pairs(queries, query_offsets, documents, document_offsets, pair_query_ids, 
         _validate_offsets("document_offsets", document_offsets, Td)
         _validate_ids("pair_query_ids", pair_query_ids, Nq)
         _validate_ids("pair_document_ids", pair_document_ids, Nd)
-    q_start, q_len = _offset_segments(query_offsets, Tq)
-    d_start, d_len = _offset_segments(document_offsets, Td)
     if max_query_length is None:
         # Argmax width / tiling bound: one host sync unless the caller says.
-        max_query_length = int(q_len.max()) if Nq else 0
+        max_query_length = int((query_offsets[1:] - query_offsets[:-1]).max()) if Nq else 0
     elif max_query_length < 0:
         raise ValueError(f"max_query_length must be >= 0, got {max_query_length}")
     lq = max(int(max_query_length), 0)
-    q_len = torch.where(q_len > lq, -1, q_len)
+    # One op for the segments and the int32 pair ids; a query longer than lq
+    # is an invalid segment (NaN).
+    q_start, q_len, d_start, d_len, pair_q32, pair_d32 = _segments(
+        [(query_offsets, Tq, lq), (document_offsets, Td, -1)],
+        [(pair_query_ids, *_I32_RANGE), (pair_document_ids, *_I32_RANGE)])
     P = pair_query_ids.shape[0]
     dev = queries.device
     if P == 0:
         return _empty_result((0,), lq, queries, mode)
     kind = _argmax_kind(mode == "train", mode == "argmax", Td)
     scores, argmax = _run(queries, q_start, q_len, None, documents, d_start,
-                          d_len, None, pair_query_ids.to(torch.int32).contiguous(),
-                          pair_document_ids.to(torch.int32).contiguous(), LIST, lq, kind, tf32, normalize)
+                          d_len, None, pair_q32, pair_d32, LIST, lq, kind, tf32, normalize)
     if mode == "argmax":
         return scores, _i32(argmax)
     return scores
