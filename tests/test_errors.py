@@ -206,3 +206,13 @@ def test_pair_id_past_int32_is_nan(ms, device):
     s = ms.score_pairs_packed(q, off_q, d, off_d, torch.tensor([0, 0], device=device),
                               torch.tensor([0, 1 << 32], device=device), max_query_length=4)
     assert not torch.isnan(s[0]) and torch.isnan(s[1])
+
+
+def test_wild_query_offsets_stay_bounded(ms, device):
+    # Without max_query_length the argmax width comes from the offsets; wild
+    # ones must give NaN, not a [P, 2**40] allocation.
+    q, d = rand(3, 8, device=device), rand(5, 8, device=device)
+    ids = torch.tensor([0, 1], device=device)
+    s, a = ms.score_pairs_packed_with_argmax(q, torch.tensor([0, 1 << 40, 3], device=device), d,
+                                             torch.tensor([0, 5], device=device), ids, ids * 0)
+    assert torch.isnan(s).all() and a.shape[1] <= 3

@@ -435,7 +435,8 @@ def _pairs(queries, query_offsets, documents, document_offsets, pair_query_ids, 
         _validate_ids("pair_document_ids", pair_document_ids, Nd)
     if max_query_length is None:
         # Argmax width / tiling bound: one host sync unless the caller says.
-        max_query_length = int((query_offsets[1:] - query_offsets[:-1]).max()) if Nq else 0
+        # (At most Tq: offsets that describe no layout score NaN anyway.)
+        max_query_length = min(int((query_offsets[1:] - query_offsets[:-1]).max()), Tq) if Nq else 0
     elif max_query_length < 0:
         raise ValueError(f"max_query_length must be >= 0, got {max_query_length}")
     lq = max(int(max_query_length), 0)
