@@ -51,7 +51,6 @@ __device__ __forceinline__ void write_segment(const SegJob& j, int64_t i, bool b
   j.len[i] = bad || (j.max_len >= 0 && l > j.max_len) ? -1 : (int32_t)l;
 }
 
-
 __global__ void __launch_bounds__(kThreads) segments_kernel(const Jobs jobs) {
   pdl_enter();
   if ((int)blockIdx.x < jobs.nseg) {
@@ -111,7 +110,8 @@ std::vector<at::Tensor> segments_cuda(at::TensorList offsets, at::IntArrayRef to
   std::vector<SegJob> big;
   for (size_t k = 0; k < offsets.size(); ++k) {
     const at::Tensor o = offsets[k].contiguous();
-    TORCH_CHECK(o.is_cuda() && o.dim() == 1 && o.numel() >= 1, "maxsim: segments: offsets must be 1-D CUDA, >= 1 entry");
+    TORCH_CHECK(o.is_cuda() && o.device() == dev && o.dim() == 1 && o.numel() >= 1,
+                "maxsim: segments: offsets must be 1-D, >= 1 entry, on one CUDA device");
     keep.push_back(o);
     const int64_t n = o.numel() - 1;
     out.push_back(at::empty({n}, i32));

@@ -165,7 +165,8 @@ def _reference_backward(grad, q, q_start, q_len, d, d_start, d_len, pair_q, pair
 
 def _reference_segments(offsets, totals, max_lens, ints, lo, hi):
     _warn_fallback("segments", (offsets[0] if offsets else ints[0]).device.type)
-    return reference.segments(offsets, totals, max_lens, ints, lo, hi)
+    # An op's outputs may not alias its inputs (a start can be a view).
+    return [t.clone() for t in reference.segments(offsets, totals, max_lens, ints, lo, hi)]
 
 
 def _register_fallbacks() -> None:

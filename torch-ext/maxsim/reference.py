@@ -29,15 +29,24 @@ def pair_ids(layout: int, nq: int, nd: int, pair_q=None, pair_d=None, device=Non
 
 def segments(offsets, totals, max_lens, ints, lo, hi):
     """Offsets -> (start, length) int32 segments, and int32 copies of ints
-    with values outside [lo, hi] set to -1 (contract in torch_binding.h)."""
+    with values outside [lo, hi] set to -1 (contract in torch_binding.h).
+    Also the CUDA path until maxsim-cuda/segments.cu has run on a GPU, so
+    as few ops as the previous index code (each is a launch there); a start
+    may be a view of int32 offsets."""
     out = []
     for off, total, max_len in zip(offsets, totals, max_lens):
         length = off[1:] - off[:-1]
         ok = (off[0] == 0) & (off[-1] == total) & (length >= 0).all()
-        bad = ~ok | ((length > max_len) if max_len >= 0 else torch.zeros_like(ok))
-        out += [off[:-1].to(torch.int32, copy=True), torch.where(bad, -1, length).to(torch.int32)]
+        start, length = off[:-1], torch.where(ok, length, -1)
+        if max_len >= 0:
+            length = torch.where(length > max_len, -1, length)
+        if off.dtype != torch.int32:
+            start, length = start.to(torch.int32), length.to(torch.int32)
+        out += [start, length]
     for t, a, b in zip(ints, lo, hi):
-        out.append(torch.where((t.long() < a) | (t.long() > b), -1, t).to(torch.int32, copy=True))
+        info = torch.iinfo(t.dtype)  # bounds past the dtype compare as its limits
+        a, b = max(a, info.min), min(b, info.max)
+        out.append(torch.where((t < a) | (t > b), -1, t).to(torch.int32))
     return out
 
 

@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from . import reference
 from ._registry import ops
 from .reference import CROSS, GROUPED, LIST
 
@@ -171,7 +172,7 @@ _I32_RANGE = (-(1 << 31), (1 << 31) - 1)
 
 
 # maxsim-cuda/segments.cu has not run on a GPU yet: CUDA tensors take the
-# composed ops below (the path the device tests last passed) unless
+# composed ops of reference.segments (the previous index code) unless
 # MAXSIM_SEGMENTS_KERNEL=1.
 _SEGMENTS_KERNEL_ON_CUDA = os.environ.get("MAXSIM_SEGMENTS_KERNEL", "0") == "1"
 
@@ -183,29 +184,12 @@ def _segments(offsets=(), ints=()) -> list:
     [(tensor, lo, hi)] -> flat int32 copies, -1 outside [lo, hi]."""
     if not offsets and not ints:
         return []
-    device = (offsets[0][0] if offsets else ints[0][0]).device
+    args = ([o for o, _, _ in offsets], [t for _, t, _ in offsets], [m for _, _, m in offsets],
+            [t.reshape(-1) for t, _, _ in ints], [a for _, a, _ in ints], [b for _, _, b in ints])
+    device = (args[0] or args[3])[0].device
     if device.type == "cuda" and not _SEGMENTS_KERNEL_ON_CUDA:
-        return _segments_composed(offsets, ints)
-    return ops.segments([o for o, _, _ in offsets], [t for _, t, _ in offsets], [m for _, _, m in offsets],
-                        [t.reshape(-1) for t, _, _ in ints], [a for _, a, _ in ints], [b for _, _, b in ints])
-
-
-def _segments_composed(offsets=(), ints=()) -> list:
-    """``_segments`` from tensor ops (a launch each on a GPU)."""
-    out = []
-    for off, total, max_len in offsets:
-        length = off[1:] - off[:-1]
-        ok = (off[0] == 0) & (off[-1] == total) & (length >= 0).all()
-        start, length = off[:-1], torch.where(ok, length, -1)
-        if max_len >= 0:
-            length = torch.where(length > max_len, -1, length)
-        if off.dtype != torch.int32:
-            start, length = start.to(torch.int32), length.to(torch.int32)
-        out += [start, length]
-    for t, lo, hi in ints:
-        t = t.reshape(-1)
-        out.append(torch.where((t < lo) | (t > hi), -1, t).to(torch.int32))
-    return out
+        return reference.segments(*args)
+    return ops.segments(*args)
 
 
 def _padded_segments(n: int, extent: int, lengths: Optional[Tensor], device) -> tuple[Tensor, Tensor]:
