@@ -9,12 +9,10 @@ device, where the affected scores come out NaN rather than garbage.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
-from . import reference
 from ._registry import ops
 from .reference import CROSS, GROUPED, LIST
 
@@ -171,12 +169,6 @@ def _uniform_segments(n: int, extent: int, device) -> tuple[Tensor, Tensor]:
 _I32_RANGE = (-(1 << 31), (1 << 31) - 1)
 
 
-# maxsim-cuda/segments.cu has not run on a GPU yet: CUDA tensors take the
-# composed ops of reference.segments (the previous index code) unless
-# MAXSIM_SEGMENTS_KERNEL=1.
-_SEGMENTS_KERNEL_ON_CUDA = os.environ.get("MAXSIM_SEGMENTS_KERNEL", "0") == "1"
-
-
 def _segments(offsets=(), ints=()) -> list:
     """A call's index tensors from one op (one launch on a GPU; contract in
     torch_binding.h): ``offsets`` [(offsets, total, max_len)] -> start, len
@@ -186,9 +178,6 @@ def _segments(offsets=(), ints=()) -> list:
         return []
     args = ([o for o, _, _ in offsets], [t for _, t, _ in offsets], [m for _, _, m in offsets],
             [t.reshape(-1) for t, _, _ in ints], [a for _, a, _ in ints], [b for _, _, b in ints])
-    device = (args[0] or args[3])[0].device
-    if device.type == "cuda" and not _SEGMENTS_KERNEL_ON_CUDA:
-        return reference.segments(*args)
     return ops.segments(*args)
 
 
