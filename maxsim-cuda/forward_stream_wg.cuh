@@ -232,13 +232,13 @@ __global__ void __launch_bounds__(kStreamWgThreads) stream_wg_kernel(const FwdPa
 }
 
 // Whether the kernel can take this forward (host side; forward.cu has
-// already chosen the streaming path for it). One query against documents
-// and per-query candidates only: pair lists stay on the mma.sync stream,
-// whose k order the search re-score (rescore_topk, the same kernel with the
-// top-k fused) shares, so that the two give bitwise equal scores.
+// already chosen the streaming path for it). One query against documents,
+// per-query candidates and pair lists (then a pair scores bitwise as in the
+// padded layouts; the search re-score, rescore_topk, stays on the mma.sync
+// stream's k order and differs from it in the last bits).
 inline bool stream_wg_ok(at::ScalarType t, int sm, const FwdParams& p) {
   return sm == 90 && (t == at::kHalf || t == at::kBFloat16) && (p.row_bytes == 128 || p.row_bytes == 256) &&
-         p.rank_done == nullptr && (p.layout == kCrossL || p.layout == kGroupedL) && p.P <= INT32_MAX;
+         p.rank_done == nullptr && (p.layout == kCrossL || p.layout == kGroupedL || p.layout == kListL) && p.P <= INT32_MAX;
 }
 
 // Defined for __half / __nv_bfloat16 in forward_stream_wg.cu. nst > 0:

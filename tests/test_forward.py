@@ -523,6 +523,18 @@ def test_many_pairs_at_stage_edges(ms, device, dtype, dim, lq):
     bad = (pd == nd) | (pd == nan_doc)
     assert torch.all(torch.isnan(out3[bad.to(device)]))
     assert_close(out3[(~bad).to(device)], ref[0, pd[~bad].to(device)], dtype)
+    # the candidates' queries packed at their lengths, paired freely; a query
+    # id past the end scores NaN
+    ql3 = qlen.cpu()
+    qp = torch.cat([Qb[i, : ql3[i]] for i in range(3)])
+    qoff3 = torch.cat([torch.zeros(1, dtype=torch.long), ql3.cumsum(0)]).to(device)
+    pq = torch.randint(0, 3, (P,), generator=g)
+    pq[[3, 900]] = 3
+    out4 = ms.score_pairs_packed(qp, qoff3, d, doff.to(device), pq.to(device), pd.to(device), max_query_length=lq)
+    bad4 = bad | (pq == 3)
+    assert torch.all(torch.isnan(out4[bad4.to(device)]))
+    ref4 = ms.maxsim_reference(Qb, Dp, lengths_mask(qlen, lq), mask)
+    assert_close(out4[(~bad4).to(device)], ref4[pq[~bad4].to(device), pd[~bad4].to(device)], dtype)
 
 
 @pytest.mark.parametrize("case", ["one-query-long", "grouped-2", "grouped-4", "few-pairs-d64"])
