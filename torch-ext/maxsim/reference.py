@@ -29,10 +29,9 @@ def pair_ids(layout: int, nq: int, nd: int, pair_q=None, pair_d=None, device=Non
 
 def segments(offsets, totals, max_lens, ints, lo, hi):
     """Offsets -> (start, length) int32 segments, and int32 copies of ints
-    with values outside [lo, hi] set to -1 (contract in torch_binding.h).
-    Also the CUDA path until maxsim-cuda/segments.cu has run on a GPU, so
-    as few ops as the previous index code (each is a launch there); a start
-    may be a view of int32 offsets."""
+    with values outside [lo, hi] set to -1 (contract in torch_binding.h):
+    the op's fallback where a build has no kernel (MPS). A start may be a
+    view of int32 offsets."""
     out = []
     for off, total, max_len in zip(offsets, totals, max_lens):
         length = off[1:] - off[:-1]

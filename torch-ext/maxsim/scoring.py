@@ -177,7 +177,8 @@ def _segments(offsets=(), ints=()) -> list:
     if not offsets and not ints:
         return []
     args = ([o for o, _, _ in offsets], [t for _, t, _ in offsets], [m for _, _, m in offsets],
-            [t if t.dim() == 1 else t.reshape(-1) for t, _, _ in ints], [a for _, a, _ in ints], [b for _, _, b in ints])
+            [t if t.dim() == 1 else t.reshape(-1) for t, _, _ in ints],
+            [a for _, a, _ in ints], [b for _, _, b in ints])
     return ops.segments(*args)
 
 
