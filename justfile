@@ -34,7 +34,7 @@ example NN:
 bench:
     bash scripts/setup.sh && {{py}} benchmarks/bench_cpu.py
 
-# Render bench_results/*.json into the README tables and bench_results/*.png charts
+# Render bench_results/*.json into the tables of README.md, docs/performance.md and docs/search.md, and the charts
 bench-render:
     {{py}} benchmarks/render.py
 

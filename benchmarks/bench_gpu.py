@@ -132,7 +132,7 @@ def bench(fn, reps_ms=200):
 def eager_ms(fn, rounds=5):
     """Median of ``rounds`` do_bench readings. Calls whose host time exceeds
     their GPU time (small shapes, training steps through the autograd engine)
-    read up to 2x apart between readings in one process on the lent hosts;
+    read up to 2x apart between readings in one process on a busy host;
     one reading would report that swing, not the implementation."""
     return statistics.median(bench(fn) for _ in range(rounds))
 

@@ -1,9 +1,15 @@
-"""Render bench_results/*.json into the README's benchmark tables and charts.
+"""Render bench_results/*.json into the tables of docs/performance.md and
+docs/search.md, and draw bench_results/<gpu>-speed.png / -memory.png.
 
-Replaces the text between ``<!-- bench:begin -->`` and ``<!-- bench:end -->``
-in README.md and draws bench_results/<name>-speed.png / -memory.png next to
-each GPU result file (matplotlib, Agg). ``python benchmarks/render.py
-[--check]``; ``--check`` compares the README only and draws nothing.
+Each target file holds its tables between ``<!-- bench:begin -->`` and
+``<!-- bench:end -->``. ``python benchmarks/render.py [--check]``;
+``--check`` compares the docs only and draws nothing.
+
+GPU result files (``<gpu>.json``) hold forward rows (``ms``), training rows
+(``fwd_bwd_ms``) and first-call rows (``first_call_ms``) of maxsim and its
+peers; ``<gpu>-search.json``, ``-normalize.json``, ``-packed.json``,
+``-read-floor.json``, ``-distributed.json`` and ``cpu.json`` have their own
+tables. Every file's ``meta`` names the GPU, torch, commit and date.
 """
 
 from __future__ import annotations
@@ -13,74 +19,198 @@ import json
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench_results"
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 IMPLS = ["maxsim", "lik", "flash-maxsim", "naive"]
-GOALS = {  # issue goals, ms
-    "rerank-short": 0.030, "rerank-long": 0.095, "rerank-medium": 0.095, "rerank-colpali": 0.45,
-    "corpus-10k": 0.26, "colpali-10k": 4.5, "allpairs-128": 0.10, "Rerank": 0.035, "HeavyRerank": 0.075,
-    "Contrastive": 0.10, "LongDocs": 0.12, "BigBatch": 0.10, "train-128": 0.20, "colpali-train-32": 0.20,
-}
+SPECIAL = ("-search.json", "-normalize.json", "-packed.json", "-read-floor.json", "-distributed.json")
 
 
 def fmt(v, nd=3):
     return "-" if v is None else f"{v:.{nd}f}"
 
 
-def _cells(by: dict, workload: str, key: str, graph_key: str) -> list[str]:
-    """One table cell per implementation: "eager / graph" ms, or why not."""
-    cells = []
-    for i in IMPLS:
-        r = by.get((workload, i))
-        if r is None:
-            cells.append("")
-        elif r.get(key) is None:
-            cells.append(r.get("error", "fails")[:12])
-        else:
-            cells.append(f"{fmt(r[key])} / {fmt(r.get(graph_key))}")
-    return cells
-
-
-def gpu_tables(path: Path) -> str:
+def load(path: Path):
     data = json.loads(path.read_text())
-    m = data["meta"]
-    rows = data["rows"]
+    return data["meta"], data["rows"]
+
+
+def provenance(m: dict) -> str:
+    return f"{m['gpu'] if 'gpu' in m else m.get('cpu', 'CPU')}, torch {m['torch']}, commit `{m['commit']}`, {m['date']}"
+
+
+def gpu_files() -> list[Path]:
+    return [p for p in sorted(RESULTS.glob("nvidia-*.json")) if not p.name.endswith(SPECIAL)]
+
+
+def gpu_table(path: Path) -> str:
+    """One table per GPU: forward and training rows, the peers side by side."""
+    m, rows = load(path)
     by = {(r["workload"], r["impl"]): r for r in rows}
-    out = [f"**{m['gpu']}**, torch {m['torch']}, {m['date']}, commit `{m.get('commit', '')}`; measured "
-           f"copy bandwidth {m['copy_tb_s']:.2f} TB/s, bf16 matmul {m['matmul_tflop_s']:.0f} TFLOP/s. bf16, d = 128.",
-           "", "Forward, ms (median of five `triton.testing.do_bench` readings, L2 flushed before each call, "
-           "Python overhead included) / device time from a CUDA graph of 20 calls. floor = max(bytes / copy "
-           "bandwidth, FLOPs / matmul rate); copy = a device copy of the same bytes timed the same two ways "
-           "(the byte floor as this harness measures it):", "",
-           "| workload | goal | floor | copy | " + " | ".join(IMPLS) + " |",
-           "|---|---|---|---|" + "---|" * len(IMPLS)]
-    fwd = [w for w in dict.fromkeys(r["workload"] for r in rows) if (w, "maxsim") in by and "ms" in by[(w, "maxsim")]]
-    for w in fwd:
-        cells = _cells(by, w, "ms", "graph_ms")
-        r = by[(w, "maxsim")]
-        cp = f"{fmt(r['copy_ms'])} / {fmt(r.get('copy_graph_ms'))}" if r.get("copy_ms") is not None else "-"
-        out.append(f"| {w} | {fmt(GOALS.get(w))} | {fmt(r.get('floor_ms'))} | {cp} | " + " | ".join(cells) + " |")
-    train = [w for w in dict.fromkeys(r["workload"] for r in rows) if "fwd_bwd_ms" in by.get((w, "maxsim"), {})]
-    if train:
-        out += ["", "Training (forward + `scores.backward(g)`), ms eager (median of five do_bench readings; steps "
-                "whose host time exceeds their GPU time measure the lent host's CPU) / device time from a CUDA graph; "
-                "retained = memory held between forward and backward (MiB):", "",
-                "| workload | goal | " + " | ".join(IMPLS) + " | retained maxsim / best peer |",
-                "|---|---|" + "---|" * len(IMPLS) + "---|"]
-        for w in train:
-            cells = _cells(by, w, "fwd_bwd_ms", "fwd_bwd_graph_ms")
-            peer_ret = [by[(w, i)].get("retained_mib") for i in ("lik", "flash-maxsim") if (w, i) in by]
-            peer_ret = [v for v in peer_ret if v is not None and v > 0]
-            ret = f"{fmt(by[(w, 'maxsim')].get('retained_mib'), 2)} / {fmt(min(peer_ret) if peer_ret else None, 2)}"
-            out.append(f"| {w} | {fmt(GOALS.get(w))} | " + " | ".join(cells) + f" | {ret} |")
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    out = [f"**{provenance(m)}**" + (f"; measured copy {float(m['copy_tb_s']):.2f} TB/s, bf16 matmul "
+                                     f"{float(m['matmul_tflop_s']):.0f} TFLOP/s" if "copy_tb_s" in m else "") + ".",
+           "", "| workload | pass | floor | " + " | ".join(IMPLS) + " |", "|---|---|---|" + "---|" * len(IMPLS)]
+    for kind, key, graph in (("fwd", "ms", "graph_ms"), ("fwd+bwd", "fwd_bwd_ms", "fwd_bwd_graph_ms")):
+        for w in workloads:
+            if key not in by.get((w, "maxsim"), {}):
+                continue
+            cells = []
+            for impl in IMPLS:
+                r = by.get((w, impl))
+                if r is None:
+                    cells.append("")
+                elif r.get(key) is None:
+                    cells.append(r.get("error", "fails"))
+                else:
+                    cells.append(f"{fmt(r[key])} / {fmt(r.get(graph))}")
+            floor = by[(w, "maxsim")].get("floor_ms") if kind == "fwd" else None
+            out.append(f"| {w} | {kind} | {fmt(floor)} | " + " | ".join(cells) + " |")
+    cold = [r for r in rows if "first_call_ms" in r]
+    if cold:
+        out += ["", f"First use in a fresh process ({cold[0]['workload']}; load = import or "
+                    "`kernels.get_local_kernel`), ms:", "",
+                "| impl | load | first call | second call |", "|---|---|---|---|"]
+        out += [f"| {r['impl']} | {r['load_ms']:.0f} | {r['first_call_ms']:.0f} | {r['second_call_ms']:.2f} |"
+                for r in cold]
     return "\n".join(out)
 
 
-def _forward(path: Path):
-    """-> (meta, forward workloads, {(workload, impl): row}) of a GPU result file."""
-    data = json.loads(path.read_text())
-    by = {(r["workload"], r["impl"]): r for r in data["rows"]}
-    ws = [w for w in dict.fromkeys(r["workload"] for r in data["rows"]) if by.get((w, "maxsim"), {}).get("ms")]
-    return data["meta"], ws, by
+def search_table(path: Path) -> str:
+    """Search time (CUDA-graph ms where measured, else eager) and top-10 agreement per corpus form."""
+    m, rows = load(path)
+    impls = list(dict.fromkeys(r["impl"] for r in rows if "top10" in r))
+    by = {(r["workload"], r["impl"]): r for r in rows}
+    workloads = list(dict.fromkeys(r["workload"] for r in rows if "top10" in r))
+    out = [f"Top-{m.get('k', 100)} search, one query (**{provenance(m)}**): ms (graph time where a CUDA graph "
+           "was timed, else eager, marked e) and top-10 agreement with the exact bf16 result.", "",
+           "| corpus | " + " | ".join(i.removeprefix("maxsim-") if i != "maxsim" else "bf16" for i in impls) + " |",
+           "|---|" + "---|" * len(impls)]
+    for w in workloads:
+        cells = []
+        for i in impls:
+            r = by.get((w, i))
+            if r is None:
+                cells.append("")
+            else:
+                t = f"{r['graph_ms']:.3f}" if r.get("graph_ms") is not None else f"{r['ms']:.3f}e"
+                cells.append(f"{t} ({r['top10']:.2f})")
+        out.append(f"| {w} | " + " | ".join(cells) + " |")
+    for r in rows:
+        if "gbps" in r:
+            out += ["", f"Streaming from pinned host memory ({r['workload']}, {r['corpus_gb']} GB, GPU allocator "
+                        f"capped at {r['gpu_cap_gib']} GiB): {r['ms']:.0f} ms per query, {r['gbps']} GB/s against "
+                        f"{r['h2d_gbps']} GB/s measured host-to-device copy."]
+    return "\n".join(out)
+
+
+def normalize_table(path: Path) -> str:
+    m, rows = load(path)
+    out = [f"`normalize=True` (**{provenance(m)}**): fused = norms folded into the kernels, composed = the op on "
+           "`F.normalize` copies; ms eager / graph, error = max relative error of scores (and gradients) vs fp64:",
+           "", "| workload | pass | fused | composed | unnormalised | error fused / composed |", "|---|---|---|---|---|---|"]
+    by = {(r["workload"], r["impl"]): r for r in rows}
+    for w in dict.fromkeys(r["workload"] for r in rows):
+        f, c, u = by[(w, "fused")], by[(w, "F.normalize+maxsim")], by[(w, "unnormalised")]
+        cell = lambda r: f"{r['ms']:.3f} / {r['graph_ms']:.3f}"  # noqa: E731
+        out.append(f"| {w} | {f['mode'].replace('_', '+')} | {cell(f)} | {cell(c)} | {cell(u)} | "
+                   f"{f['relerr']:.1e} / {c['relerr']:.1e} |")
+    return "\n".join(out)
+
+
+def packed_table(path: Path) -> str:
+    m, rows = load(path)
+    by = {(r["workload"], r["case"], r["impl"]): r for r in rows}
+    out = [f"Packed pairs vs padded (**{provenance(m)}**): `score_pairs_packed` against the padded call on the "
+           "same tokens, ms eager / graph; ragged = lengths uniform in [1, Ld]:", "",
+           "| workload | case | padded | packed | tokens padded / packed |", "|---|---|---|---|---|"]
+    for (w, c, i), r in by.items():
+        k = by.get((w, c, "packed"))
+        if i == "padded" and k:
+            out.append(f"| {w} | {c} | {r['ms']:.4f} / {fmt(r.get('graph_ms'), 4)} | {k['ms']:.4f} / "
+                       f"{fmt(k.get('graph_ms'), 4)} | {r['tokens']} / {k['tokens']} |")
+    return "\n".join(out)
+
+
+def read_floor_table(path: Path) -> str:
+    m, rows = load(path)
+    out = [f"Read floor (**{provenance(m)}**): the fastest read-only kernel found over each row's document bytes "
+           "(several load flavours, split orders and warps per SM), timed like the benchmark, ms eager / graph:", "",
+           "| workload | MB | read floor | maxsim (same run) |", "|---|---|---|---|"]
+    for w in dict.fromkeys(r["workload"] for r in rows):
+        ours = next((r for r in rows if r["workload"] == w and r["impl"] == "maxsim"), None)
+        reads = [r for r in rows if r["workload"] == w and r["impl"].startswith("read")]
+        if ours and reads:
+            out.append(f"| {w} | {ours['mb']:.1f} | {min(r['ms'] for r in reads):.4f} / "
+                       f"{min(r['graph_ms'] for r in reads):.4f} | {ours['ms']:.4f} / {ours['graph_ms']:.4f} |")
+    return "\n".join(out)
+
+
+def distributed_table(path: Path) -> str:
+    m, rows = load(path)
+    out = [f"Several GPUs (**{provenance(m)}**, {m['backend']}; {m['timing']}):", "",
+           "| workload | GPUs | ms | queries/s |", "|---|---|---|---|"]
+    out += [f"| {r['workload']} | {r['world']} | {r['ms']:.2f} | {r['queries_per_s']} |" for r in rows]
+    return "\n".join(out)
+
+
+def cpu_table(path: Path) -> str:
+    m, rows = load(path)
+    out = [f"CPU ({m['cpu']}, {m['threads']} threads, torch {m['torch']}, commit `{m['commit']}`, {m['date']}; "
+           f"{m.get('build', '')}), fp32, median ms and peak extra memory (MiB):", "",
+           "| workload | impl | ms | peak MiB |", "|---|---|---|---|"]
+    out += [f"| {r['workload']} | {r['impl']} | {r['ms']:.1f} | {r['peak_extra_mib']:.1f} |" for r in rows]
+    return "\n".join(out)
+
+
+CHARTS = (("speed", "ms", "time / maxsim time (lower is faster)"),
+          ("memory", "peak_mib", "peak extra memory, MiB (log)"))
+
+
+def chart_kinds(path: Path) -> list[tuple[str, str, str]]:
+    """The charts a GPU file has data for (the memory chart needs peak_mib)."""
+    _, rows = load(path)
+    return [c for c in CHARTS if any(r["impl"] == "maxsim" and r.get(c[1]) for r in rows)]
+
+
+def chart_links(path: Path) -> str:
+    return "\n".join(f"![{path.stem} {kind}](../bench_results/{path.stem}-{kind}.png)" for kind, _, _ in chart_kinds(path))
+
+
+def performance_section() -> str:
+    parts = []
+    for p in gpu_files():
+        parts += [gpu_table(p), chart_links(p)]
+    for suffix, table in (("-normalize.json", normalize_table), ("-packed.json", packed_table),
+                          ("-read-floor.json", read_floor_table), ("-distributed.json", distributed_table)):
+        parts += [table(p) for p in sorted(RESULTS.glob(f"*{suffix}"))]
+    if (RESULTS / "cpu.json").exists():
+        parts.append(cpu_table(RESULTS / "cpu.json"))
+    return "\n\n".join(parts)
+
+
+def search_section() -> str:
+    return "\n\n".join(search_table(p) for p in sorted(RESULTS.glob("*-search.json")))
+
+
+# The README's summary: device time of a few representative workloads on one GPU.
+SUMMARY_GPU = "nvidia-h200.json"
+SUMMARY = {"rerank-short": "1 query x 1000 docs, Lq 32, Ld 300", "corpus-10k": "1 query x 10k docs, Lq 32, Ld 300",
+           "rerank-colpali": "1 query x 1000 pages, Lq 1024, Ld 1024", "allpairs-128": "128 x 128, Lq 32, Ld 300",
+           "Contrastive": "training step, 32 x 32, Lq 32, Ld 80", "train-128": "training step, 128 x 128, Lq 32, Ld 300"}
+
+
+def summary_section() -> str:
+    m, rows = load(RESULTS / SUMMARY_GPU)
+    by = {(r["workload"], r["impl"]): r for r in rows}
+    out = [f"Device time per call in a CUDA graph, ms, bf16, d = 128 ({provenance(m)}; lower is better):", "",
+           "| workload | shape | " + " | ".join(IMPLS) + " |", "|---|---|" + "---|" * len(IMPLS)]
+    for w, what in SUMMARY.items():
+        key = "graph_ms" if "graph_ms" in by[(w, "maxsim")] else "fwd_bwd_graph_ms"
+        out.append(f"| {w} | {what} | " + " | ".join(fmt(by.get((w, i), {}).get(key)) for i in IMPLS) + " |")
+    return "\n".join(out)
+
+
+TARGETS = {"README.md": summary_section, "docs/performance.md": performance_section, "docs/search.md": search_section}
 
 
 def gpu_charts(path: Path) -> list[Path]:
@@ -90,11 +220,12 @@ def gpu_charts(path: Path) -> list[Path]:
     matplotlib.use("Agg")  # headless
     import matplotlib.pyplot as plt
 
-    meta, ws, by = _forward(path)
+    meta, rows = load(path)
+    by = {(r["workload"], r["impl"]): r for r in rows}
+    ws = [w for w in dict.fromkeys(r["workload"] for r in rows) if by.get((w, "maxsim"), {}).get("ms")]
     width = 0.8 / len(IMPLS)
     out = []
-    for kind, key, ylabel in (("speed", "ms", "time / maxsim time (lower is faster)"),
-                              ("memory", "peak_mib", "peak extra memory, MiB (log)")):
+    for kind, key, ylabel in chart_kinds(path):
         fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(ws)), 3.8))
         for k, impl in enumerate(IMPLS):
             xs, ys = [], []
@@ -111,7 +242,7 @@ def gpu_charts(path: Path) -> list[Path]:
             ax.set_yscale("log")
         ax.set_xticks(range(len(ws)), ws, rotation=30, ha="right")
         ax.set_ylabel(ylabel)
-        ax.set_title(f"forward, {meta['gpu']}, bf16, commit {meta.get('commit', '')}", fontsize=9)
+        ax.set_title(f"forward, {meta['gpu']}, bf16, commit {meta['commit']}", fontsize=9)
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=8, ncol=len(IMPLS))
         fig.tight_layout()
@@ -122,176 +253,29 @@ def gpu_charts(path: Path) -> list[Path]:
     return out
 
 
-def chart_links(path: Path) -> str:
-    return "\n".join(f"![{path.stem} {kind}](bench_results/{path.stem}-{kind}.png)" for kind in ("speed", "memory"))
-
-
-def cold_table(path: Path) -> str:
-    data = json.loads(path.read_text())
-    m = data["meta"]
-    out = [f"First call in a fresh process (32 queries x 1000 documents, Lq 32, Ld 300; {m['gpu']}, "
-           f"commit `{m.get('commit', '')}`; load = import or `kernels.get_local_kernel`, "
-           f"first call = the call after it):", "", "| impl | load ms | first call ms | second call ms |",
-           "|---|---|---|---|"]
-    for r in data["rows"]:
-        load = f"{r['load_ms']:.0f}" if "load_ms" in r else "-"
-        out.append(f"| {r['impl']} | {load} | {r['first_call_ms']:.0f} | {r['second_call_ms']:.2f} |")
-    return "\n".join(out)
-
-
-def cpu_table(path: Path) -> str:
-    data = json.loads(path.read_text())
-    m = data["meta"]
-    out = [f"CPU ({m['cpu']}, {m['threads']} threads, torch {m['torch']}, {m['date']}), fp32, median ms and peak "
-           "extra RSS (MiB, fresh process per implementation):", "",
-           "| workload | impl | ms | peak MiB |", "|---|---|---|---|"]
-    for r in data["rows"]:
-        out.append(f"| {r['workload']} | {r['impl']} | {r['ms']:.1f} | {r['peak_extra_mib']:.1f} |")
-    return "\n".join(out)
-
-
-def search_table(path: Path) -> str:
-    data = json.loads(path.read_text())
-    m = data["meta"]
-    out = [f"Search, top-{m.get('k', 100)} (**{m['gpu']}**, torch {m['torch']}, {m['date']}, commit "
-           f"`{m['commit'].split()[0]}`; {m['timing']}; agreement = share of the exact bf16 top-k found):", "",
-           "| workload | impl | ms | vs bf16 | graph ms | vs bf16 (graph) | top-10 | top-100 |",
-           "|---|---|---|---|---|---|---|---|"]
-    for r in data["rows"]:
-        if "top10" not in r:
-            continue
-        g = f"{r['graph_ms']:.3f}" if r.get("graph_ms") is not None else "-"
-        out.append(f"| {r['workload']} | {r['impl']} | {r['ms']:.3f} | {fmt(r.get('vs_bf16'), 2) if 'vs_bf16' in r else '-'}"
-                   f" | {g} | {fmt(r.get('vs_bf16_graph'), 2) if 'vs_bf16_graph' in r else '-'}"
-                   f" | {r['top10']:.4f} | {r['top100']:.4f} |")
-    for r in data["rows"]:
-        if "gbps" in r:
-            out += ["", f"Streaming: {r['workload']} ({r['corpus_gb']} GB in pinned host memory, GPU allocator "
-                        f"capped at {r['gpu_cap_gib']} GiB): {r['ms']:.0f} ms per query, {r['gbps']} GB/s against "
-                        f"{r['h2d_gbps']} GB/s measured host-to-device copy."]
-    return "\n".join(out)
-
-
-def distributed_table(path: Path) -> str:
-    data = json.loads(path.read_text())
-    m = data["meta"]
-    out = [f"Multi-GPU ({m['gpu']}, {m['backend']}, torch {m['torch']}; {m['timing']}):", "",
-           "| workload | GPUs | ms | queries/s |", "|---|---|---|---|"]
-    for r in data["rows"]:
-        out.append(f"| {r['workload']} | {r['world']} | {r['ms']:.2f} | {r['queries_per_s']} |")
-    return "\n".join(out)
-
-
-def normalize_table(path: Path) -> str:
-    data = json.loads(path.read_text())
-    m = data["meta"]
-    out = [f"`normalize=True` (**{m['gpu']}**, torch {m['torch']}, {m['date']}, commit `{m['commit']}`; "
-           "bf16 tokens of varied norms; fused = norms folded into the kernels, composed = the op on "
-           "`F.normalize` copies; error = max relative error of scores and gradients vs fp64 autograd):", "",
-           "| workload | impl | mode | ms | graph ms | peak MiB | error |", "|---|---|---|---|---|---|---|"]
-    for r in data["rows"]:
-        err = "-" if r.get("relerr") is None else f"{r['relerr']:.1e}"
-        out.append(f"| {r['workload']} | {r['impl']} | {r['mode']} | {r['ms']:.4f} | {fmt(r.get('graph_ms'), 4)} | "
-                   f"{r['peak_mib']:.1f} | {err} |")
-    return "\n".join(out)
-
-
-def packed_table(path: Path) -> str:
-    data = json.loads(path.read_text())
-    m = data["meta"]
-    by = {(r["workload"], r["case"], r["impl"]): r for r in data["rows"]}
-    out = [f"Packed pairs vs padded (`benchmarks/bench_packed.py`; **{m['gpu']}**, torch {m['torch']}, {m['date']}, "
-           f"commit `{m['commit']}`): `score_pairs_packed` against `score_candidates_padded` (candidates) or "
-           "`maxsim` (one query x shared documents) on the same tokens, ms eager / graph; dense = every document "
-           "at the padded length, ragged = lengths uniform in [1, Ld] (the padded side passes lengths or a mask):",
-           "", "| workload | case | padded | packed | packed / padded | tokens padded / packed |",
-           "|---|---|---|---|---|---|"]
-    for (w, c, i), r in by.items():
-        if i != "padded" or (w, c, "packed") not in by:
-            continue
-        k = by[(w, c, "packed")]
-        graph = "-" if not (r.get("graph_ms") and k.get("graph_ms")) else f"{k['graph_ms'] / r['graph_ms']:.2f}"
-        ratio = f"{k['ms'] / r['ms']:.2f} / {graph}"
-        out.append(f"| {w} | {c} | {r['ms']:.4f} / {fmt(r.get('graph_ms'), 4)} | {k['ms']:.4f} / "
-                   f"{fmt(k.get('graph_ms'), 4)} | {ratio} | {r['tokens']} / {k['tokens']} |")
-    return "\n".join(out)
-
-
-def read_floor_table(path: Path) -> str:
-    data = json.loads(path.read_text())
-    m = data["meta"]
-    rows = data["rows"]
-    out = [f"Read floor (`benchmarks/read_floor.py`; **{m['gpu']}**, torch {m['torch']}, {m['date']}, kernels of "
-           f"`{m.get('commit', '')}`): the fastest read-only kernel over each row's document bytes (plain, `.cs` "
-           "and `.nc` 16-byte loads, an even split or all warps sweeping the bytes together, 8 to 48 warps per "
-           "SM, the best of each timing), timed as above, ms eager / graph. Any exact MaxSim reads those bytes "
-           "once; this is the fastest of these read orders, not a bound proven for every order (the sweep "
-           "beat the even split by 1-4 %), so a goal below it is out of reach of every read order tried:", "",
-           "| workload | MB | goal | read floor | maxsim (same run) |", "|---|---|---|---|---|"]
-    for w in dict.fromkeys(r["workload"] for r in rows):
-        ours = next((r for r in rows if r["workload"] == w and r["impl"] == "maxsim"), None)
-        reads = [r for r in rows if r["workload"] == w and r["impl"].startswith("read")]
-        if ours is None or not reads:
-            continue
-        e = min(r["ms"] for r in reads)
-        g = min(r["graph_ms"] for r in reads)
-        out.append(f"| {w} | {ours['mb']:.1f} | {fmt(GOALS.get(w))} | {fmt(e, 4)} / {fmt(g, 4)} | "
-                   f"{fmt(ours['ms'], 4)} / {fmt(ours['graph_ms'], 4)} |")
-    return "\n".join(out)
-
-
-def _not_gpu_table(name: str) -> bool:
-    """JSON rendered elsewhere: cpu.json (its own table, last), the agreement
-    bound and the read-only split replicas (perf notes)."""
-    return name == "cpu.json" or name.startswith("agreement-bound") or name.endswith("-read-replica.json")
-
-
-def _special(name: str) -> bool:
-    return _not_gpu_table(name) or name.endswith(
-        ("-cold-start.json", "-search.json", "-distributed.json", "-normalize.json", "-read-floor.json",
-         "-packed.json"))
-
-
-def render() -> str:
-    parts = []
-    res = ROOT / "bench_results"
-    for p in sorted(res.glob("*.json")):
-        if _not_gpu_table(p.name):
-            continue
-        if p.name.endswith("-search.json"):
-            parts.append(search_table(p))
-        elif p.name.endswith("-distributed.json"):
-            parts.append(distributed_table(p))
-        elif p.name.endswith("-cold-start.json"):
-            parts.append(cold_table(p))
-        elif p.name.endswith("-normalize.json"):
-            parts.append(normalize_table(p))
-        elif p.name.endswith("-read-floor.json"):
-            parts.append(read_floor_table(p))
-        elif p.name.endswith("-packed.json"):
-            parts.append(packed_table(p))
-        else:
-            parts += [gpu_tables(p), chart_links(p)]
-    if (res / "cpu.json").exists():
-        parts.append(cpu_table(res / "cpu.json"))
-    return "\n\n".join(parts)
+def rendered(target: str) -> tuple[str, str]:
+    """-> (current text, text with fresh tables) of one target file."""
+    text = (ROOT / target).read_text()
+    a, b = text.index(BEGIN) + len(BEGIN), text.index(END)
+    return text, text[:a] + "\n" + TARGETS[target]() + "\n" + text[b:]
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--check", action="store_true", help="fail if README is out of date")
+    ap.add_argument("--check", action="store_true", help="fail if a doc's tables are out of date")
     args = ap.parse_args()
-    readme = ROOT / "README.md"
-    text = readme.read_text()
-    a, b = text.index(BEGIN) + len(BEGIN), text.index(END)
-    new = text[:a] + "\n" + render() + "\n" + text[b:]
+    stale = []
+    for target in TARGETS:
+        old, new = rendered(target)
+        if args.check:
+            stale += [target] if new != old else []
+        else:
+            (ROOT / target).write_text(new)
+            print("tables updated:", target)
     if args.check:
-        raise SystemExit(0 if new == text else "README benchmark tables are out of date: run `just bench-render`")
-    readme.write_text(new)
-    for p in sorted((ROOT / "bench_results").glob("*.json")):
-        if not _special(p.name):
-            print("wrote", *(q.relative_to(ROOT) for q in gpu_charts(p)))
-    print("README tables updated")
+        raise SystemExit(f"out of date: {', '.join(stale)}; run `just bench-render`" if stale else 0)
+    for p in gpu_files():
+        print("wrote", *(q.relative_to(ROOT) for q in gpu_charts(p)))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One call on a lent GPU machine (no network): install the carried wheels
-# (.whl, from ../shared/tools/device-wheels.sh), build the CUDA variant with
-# all cores, then run the requested steps, logging under $OUT (or ./gpu-logs).
+# One call on a GPU machine, also one without network access: install the
+# wheels carried in .whl/ (downloaded beforehand where there is a network),
+# build the CUDA variant with all cores, then run the requested steps,
+# logging under $OUT (or ./gpu-logs).
 #   bash scripts/gpu_session.sh build test bench sanitize cold
 set -uo pipefail
 cd "$(dirname "$0")/.."

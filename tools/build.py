@@ -11,6 +11,13 @@ folder and ``metadata.json`` with a digest), so that
     python tools/build.py --backend cpu       # CPU variant
     python tools/build.py --backend cuda      # CUDA variant (needs nvcc)
     python tools/build.py --check-cuda-compile  # nvcc syntax check, no GPU
+
+Builds are incremental: objects live in ``.cache/build/<backend>/`` under a
+name that depends on the compiler flags and torch version only, so ninja
+recompiles just the sources that changed; when no input (sources, flags,
+torch, this script) changed since the last build, nothing runs at all.
+Compiler flags are portable by default; ``MAXSIM_NATIVE=1`` adds
+``-march=native`` (the result then runs only on CPUs like the build machine's).
 """
 
 from __future__ import annotations
@@ -24,7 +31,6 @@ import platform
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,12 +105,25 @@ def all_files(cfg: dict, backend: str) -> list[Path]:
     return files
 
 
-def ext_id(files: list[Path], backend: str) -> str:
-    h = hashlib.sha256(backend.encode())
-    for f in sorted(files):
-        h.update(f.relative_to(ROOT).as_posix().encode())
-        h.update(f.read_bytes())
+def ext_id(config: dict) -> str:
+    """The extension's name (and op namespace) from the build configuration
+    only: every object's compile command carries it, so a name that changed
+    with the sources would make ninja recompile everything on any edit."""
+    h = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
     return f"_{NAME}_{h.hexdigest()[:10]}"
+
+
+def inputs_digest(config: dict, backend: str) -> str:
+    """Everything a build reads: the configuration, this script, build.toml
+    and every file of the directories compiled for ``backend``."""
+    dirs = ["torch-ext", "maxsim-cpu"] + ([f"maxsim-{backend}"] if backend != "cpu" else [])
+    h = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
+    files = [Path(__file__).resolve(), ROOT / "build.toml"]
+    files += [p for d in dirs for p in (ROOT / d).rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+    for f in sorted(files):
+        h.update(f.relative_to(ROOT).as_posix().encode() + b"\0")
+        h.update(hashlib.sha256(f.read_bytes()).digest())
+    return h.hexdigest()
 
 
 def variant_name(backend: str) -> str:
@@ -158,22 +177,31 @@ def digest(variant: Path) -> dict:
     return {"algorithm": "sha256", "files": files}
 
 
+def generated_headers(cache: Path) -> Path:
+    """A stable folder for registration.h: a fresh one per call would change
+    every compile command and defeat incremental builds."""
+    gen = cache / "gen"
+    gen.mkdir(parents=True, exist_ok=True)
+    header = gen / "registration.h"
+    if not header.exists() or header.read_text() != REGISTRATION_H:
+        header.write_text(REGISTRATION_H)
+    return gen
+
+
 def build(backend: str, out: Path, verbose: bool) -> Path:
     import torch
     from torch.utils import cpp_extension
 
     cfg = build_toml()
     files = all_files(cfg, backend)
-    ext = ext_id(files, backend)
     variant = out / variant_name(backend)
-    gen = Path(tempfile.mkdtemp(prefix="maxsim-gen-"))
-    (gen / "registration.h").write_text(REGISTRATION_H)
-    cache = ROOT / ".cache" / "build" / f"{backend}-{ext}"
-    cache.mkdir(parents=True, exist_ok=True)
+    cache = ROOT / ".cache" / "build" / backend
+    gen = generated_headers(cache)
 
     include = [str(gen), str(ROOT / "torch-ext")] + sorted({str(f.parent) for f in files})
     cflags = ["-O3", "-std=c++17", "-DCPU_KERNEL", "-fopenmp"]
-    if os.environ.get("MAXSIM_NATIVE", "1") != "0":
+    if os.environ.get("MAXSIM_NATIVE", "0") == "1":
+        # Opt-in only: an artifact tuned for this CPU crashes on older ones.
         cflags.append("-march=native")
     cuda_flags = []
     archs = None
@@ -190,6 +218,16 @@ def build(backend: str, out: Path, verbose: bool) -> Path:
         # checkout (maxsim-metal/), Apple clang has no -fopenmp.
         cflags = [f for f in cflags if f not in ("-fopenmp", "-march=native")] + ["-DMETAL_KERNEL"]
         ldflags = ["-framework", "Metal", "-framework", "Foundation"]
+    config = {"backend": backend, "torch": torch.__version__, "cflags": cflags, "cuda_flags": cuda_flags,
+              "ldflags": ldflags, "include": include}
+    ext = ext_id(config)
+    digest_in = inputs_digest(config, backend)
+    stamp = cache / "inputs.sha256"
+    if (stamp.exists() and stamp.read_text() == digest_in and (variant / "metadata.json").exists()
+            and (variant / f"{ext}.abi3.so").exists()):
+        print(f"up to date: {variant.relative_to(ROOT) if variant.is_relative_to(ROOT) else variant} ({ext})")
+        return variant
+    stamp.unlink(missing_ok=True)
     os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 2))
     cpp_extension.load(
         name=ext,
@@ -204,7 +242,6 @@ def build(backend: str, out: Path, verbose: bool) -> Path:
         with_cuda=backend == "cuda",
     )
     so = cache / f"{ext}.so"
-    shutil.rmtree(gen, ignore_errors=True)
 
     if variant.exists():
         shutil.rmtree(variant)
@@ -229,6 +266,7 @@ def build(backend: str, out: Path, verbose: bool) -> Path:
     }
     meta["digest"] = digest(variant)
     (variant / "metadata.json").write_text(json.dumps(meta, indent=2) + "\n")
+    stamp.write_text(digest_in)
     print(f"built {variant.relative_to(ROOT) if variant.is_relative_to(ROOT) else variant} ({ext})")
     return variant
 
@@ -240,9 +278,7 @@ def check_cuda_compile(archs: list[str]) -> None:
     cfg = build_toml()
     nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
     inc = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{ROOT / 'torch-ext'}"]
-    gen = Path(tempfile.mkdtemp(prefix="maxsim-gen-"))
-    (gen / "registration.h").write_text(REGISTRATION_H)
-    inc.append(f"-I{gen}")
+    inc.append(f"-I{generated_headers(ROOT / '.cache' / 'build' / 'cuda-check')}")
     # Headers a CPU-only machine lacks (CUDA math libraries, torch's generated
     # CUDA config); searched after torch's and the toolkit's own.
     inc.append(f"-I{ROOT / 'tools' / 'cuda_compile_stubs'}")
@@ -268,7 +304,6 @@ def check_cuda_compile(archs: list[str]) -> None:
         sys.stderr.write(r.stdout + r.stderr)
     if failed:
         raise SystemExit(f"nvcc failed on {len(failed)} compile(s)")
-    shutil.rmtree(gen, ignore_errors=True)
 
 
 def main() -> None:
