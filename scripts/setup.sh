@@ -37,7 +37,9 @@ pipi() {
 
 # One interpreter start answers every question the steps below ask.
 probe() {
-  "$VPY" - <<'EOF' 2>/dev/null || echo "torch"
+  local gpu=""  # a CUDA build needs nvcc and a GPU device node
+  if command -v nvcc >/dev/null && compgen -G "/dev/nvidia[0-9]*" >/dev/null; then gpu=1; fi
+  MAXSIM_GPU=$gpu "$VPY" - <<'EOF' 2>/dev/null || echo "torch"
 import importlib.metadata as m, importlib.util as u
 missing = [n for n in ("torch", "kernels", "pytest", "hypothesis", "numpy", "matplotlib", "ninja") if u.find_spec(n) is None]
 for dist in ("pylate", "colpali-engine"):
@@ -48,8 +50,12 @@ for dist in ("pylate", "colpali-engine"):
         break
 print(" ".join(missing))
 if "torch" not in missing:
-    import shutil, torch
-    print("cuda" if torch.cuda.is_available() and shutil.which("nvcc") else "cpu")
+    import os
+    if os.environ["MAXSIM_GPU"]:  # torch is imported only where a CUDA build is possible
+        import torch
+        print("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        print("cpu")
 EOF
 }
 

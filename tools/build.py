@@ -113,9 +113,15 @@ def ext_id(config: dict) -> str:
     return f"_{NAME}_{h.hexdigest()[:10]}"
 
 
-def inputs_digest(config: dict, backend: str) -> str:
-    """Everything a build reads: the configuration, this script, build.toml
-    and every file of the directories compiled for ``backend``."""
+def inputs_digest(backend: str) -> str:
+    """Everything a build reads, without importing torch (so that an
+    up-to-date check takes a fraction of a second): the installed torch and
+    Python, the build's environment switches, this script, build.toml and
+    every file of the directories compiled for ``backend``."""
+    from importlib.metadata import version
+
+    config = {"backend": backend, "torch": version("torch"), "python": sys.version,
+              **{k: os.environ.get(k, "") for k in ("MAXSIM_NATIVE", "MAXSIM_CUDA_ARCHS", "CUTLASS_INCLUDE")}}
     dirs = ["torch-ext", "maxsim-cpu"] + ([f"maxsim-{backend}"] if backend != "cpu" else [])
     h = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
     files = [Path(__file__).resolve(), ROOT / "build.toml"]
@@ -124,6 +130,20 @@ def inputs_digest(config: dict, backend: str) -> str:
         h.update(f.relative_to(ROOT).as_posix().encode() + b"\0")
         h.update(hashlib.sha256(f.read_bytes()).digest())
     return h.hexdigest()
+
+
+def up_to_date(backend: str, out: Path, digest_in: str) -> Path | None:
+    """The variant a previous build made from the same inputs, if it is intact."""
+    stamp = ROOT / ".cache" / "build" / backend / "inputs.sha256"
+    if not stamp.exists():
+        return None
+    lines = stamp.read_text().split("\n")
+    if len(lines) < 3 or lines[0] != digest_in:
+        return None
+    variant = out / lines[1]
+    if (variant / "metadata.json").exists() and (variant / f"{lines[2]}.abi3.so").exists():
+        return variant
+    return None
 
 
 def variant_name(backend: str) -> str:
@@ -188,7 +208,7 @@ def generated_headers(cache: Path) -> Path:
     return gen
 
 
-def build(backend: str, out: Path, verbose: bool) -> Path:
+def build(backend: str, out: Path, verbose: bool, digest_in: str) -> Path:
     import torch
     from torch.utils import cpp_extension
 
@@ -221,12 +241,7 @@ def build(backend: str, out: Path, verbose: bool) -> Path:
     config = {"backend": backend, "torch": torch.__version__, "cflags": cflags, "cuda_flags": cuda_flags,
               "ldflags": ldflags, "include": include}
     ext = ext_id(config)
-    digest_in = inputs_digest(config, backend)
     stamp = cache / "inputs.sha256"
-    if (stamp.exists() and stamp.read_text() == digest_in and (variant / "metadata.json").exists()
-            and (variant / f"{ext}.abi3.so").exists()):
-        print(f"up to date: {variant.relative_to(ROOT) if variant.is_relative_to(ROOT) else variant} ({ext})")
-        return variant
     stamp.unlink(missing_ok=True)
     os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 2))
     cpp_extension.load(
@@ -266,7 +281,7 @@ def build(backend: str, out: Path, verbose: bool) -> Path:
     }
     meta["digest"] = digest(variant)
     (variant / "metadata.json").write_text(json.dumps(meta, indent=2) + "\n")
-    stamp.write_text(digest_in)
+    stamp.write_text(f"{digest_in}\n{variant.name}\n{ext}\n")
     print(f"built {variant.relative_to(ROOT) if variant.is_relative_to(ROOT) else variant} ({ext})")
     return variant
 
@@ -312,11 +327,18 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "build"))
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--check-cuda-compile", action="store_true")
+    ap.add_argument("--force", action="store_true", help="build even when no input changed")
     args = ap.parse_args()
     if args.check_cuda_compile:
         check_cuda_compile(os.environ.get("MAXSIM_CUDA_ARCHS", "8.0;9.0a").split(";"))
         return
-    build(args.backend, Path(args.out), args.verbose)
+    out = Path(args.out)
+    digest_in = inputs_digest(args.backend)
+    variant = None if args.force else up_to_date(args.backend, out, digest_in)
+    if variant is not None:
+        print(f"up to date: {variant.relative_to(ROOT) if variant.is_relative_to(ROOT) else variant}")
+        return
+    build(args.backend, out, args.verbose, digest_in)
 
 
 if __name__ == "__main__":
