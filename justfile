@@ -39,7 +39,7 @@ bench-render:
     {{py}} benchmarks/render.py
 
 # GPU benchmark matrix on Hugging Face Jobs (needs an account with Jobs access and
-# the `hf` CLI); MAXSIM_SRC is the git URL of this repository. Not run here.
+# the `hf` CLI); MAXSIM_SRC is the git URL of this repository.
 cuda-bench-matrix FLAVOR="h100":
     hf jobs run --flavor {{FLAVOR}} --timeout 1h pytorch/pytorch:2.9.1-cuda12.8-cudnn9-devel \
       bash -c "git clone ${MAXSIM_SRC:?set MAXSIM_SRC} maxsim && cd maxsim && \
