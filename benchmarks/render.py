@@ -1,5 +1,6 @@
-"""Render bench_results/*.json into the tables of docs/performance.md and
-docs/search.md, and draw bench_results/<gpu>-speed.png / -memory.png.
+"""Render bench_results/*.json into the tables of README.md (a summary),
+docs/performance.md and docs/search.md, and draw
+bench_results/<gpu>-speed.png / -memory.png.
 
 Each target file holds its tables between ``<!-- bench:begin -->`` and
 ``<!-- bench:end -->``. ``python benchmarks/render.py [--check]``;
@@ -22,7 +23,9 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench_results"
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 IMPLS = ["maxsim", "lik", "flash-maxsim", "naive"]
-SPECIAL = ("-search.json", "-normalize.json", "-packed.json", "-read-floor.json", "-distributed.json")
+# Files with their own tables (or none: the read-only replicas of read_floor.py --replica).
+SPECIAL = ("-search.json", "-normalize.json", "-packed.json", "-read-floor.json", "-distributed.json",
+           "-read-replica.json")
 
 
 def fmt(v, nd=3):
