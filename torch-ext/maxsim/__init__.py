@@ -5,10 +5,12 @@ materialising the similarity grid, for inference and training. Load with
 ``kernels.get_kernel("<org>/maxsim")``.
 """
 
-from . import distributed, integrations, layers, reference
+from . import checks, distributed, integrations, keys, layers, reference
 from ._registry import FALLBACKS, ops
 from .reference import maxsim_reference
-from .retrieval import Corpus, quantize_tokens, search
+from .corpus import Corpus
+from .quantization import quantize_tokens
+from .retrieval import search
 from .scoring import (
     maxsim,
     score_candidates_padded,
@@ -21,12 +23,16 @@ from .scoring import (
     score_pairs_packed_train,
     score_pairs_packed_with_argmax,
 )
+from .checks import InputError, set_validation, validation, validation_enabled
 
 __all__ = [
     "Corpus",
     "FALLBACKS",
+    "InputError",
+    "checks",
     "distributed",
     "integrations",
+    "keys",
     "layers",
     "maxsim",
     "maxsim_reference",
@@ -43,4 +49,7 @@ __all__ = [
     "score_pairs_packed_train",
     "score_pairs_packed_with_argmax",
     "search",
+    "set_validation",
+    "validation",
+    "validation_enabled",
 ]
