@@ -280,7 +280,6 @@ def test_validation_skipped_while_compiling(ms, device, monkeypatch):
     the graph: it is skipped, with one warning."""
     Q, D, ql = _bad_padded(device)
     monkeypatch.setitem(ms.checks._mode, "warned", False)
-    monkeypatch.setitem(ms.checks._mode, "hooked", True)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     with pytest.warns(UserWarning, match="validation is skipped"):
         s = ms.score_candidates_padded(Q, D, ql, validate=True)

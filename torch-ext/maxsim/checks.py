@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import operator
 import os
-import sys
 import warnings
 from typing import Iterator, Optional
 
@@ -42,31 +41,23 @@ def _env_default() -> bool:
     return os.environ.get("MAXSIM_VALIDATE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-_mode = {"on": False, "warned": False, "hooked": False}
+_mode = {"on": _env_default(), "warned": False}
 
 
-def _warn_skipped() -> None:
-    warnings.warn("maxsim: validation is skipped under torch.compile and CUDA-graph capture "
-                  "(it needs a host sync); invalid values give NaN scores there", stacklevel=4)
-
-
-def _hook_compiler() -> None:
-    """Let torch.compile move the skip warning after the graph instead of
-    breaking it (fullgraph=True would fail). Needs torch._dynamo, whose import
-    costs seconds: done when validation is switched on, or once torch.compile
-    has been loaded anyway."""
-    if not _mode["hooked"]:
-        import torch._dynamo
-
-        torch._dynamo.config.reorderable_logging_functions.add(_warn_skipped)
-        _mode["hooked"] = True
+@torch.compiler.assume_constant_result
+def _skipped() -> bool:
+    """False, with a one-time warning. Under torch.compile it runs while
+    tracing (a constant result), so the warning breaks no graph."""
+    if not _mode["warned"]:
+        _mode["warned"] = True
+        warnings.warn("maxsim: validation is skipped under torch.compile and CUDA-graph capture "
+                      "(it needs a host sync); invalid values give NaN scores there", stacklevel=4)
+    return False
 
 
 def set_validation(enabled: bool) -> None:
     """Turn validation mode on or off for the whole process."""
     _mode["on"] = bool(enabled)
-    if enabled:
-        _hook_compiler()
 
 
 def validation_enabled() -> bool:
@@ -78,7 +69,7 @@ def validation_enabled() -> bool:
 def validation(enabled: bool = True) -> Iterator[None]:
     """``with maxsim.validation():`` validation mode inside the block only."""
     before = _mode["on"]
-    set_validation(enabled)
+    _mode["on"] = bool(enabled)
     try:
         yield
     finally:
@@ -93,28 +84,13 @@ def _capturing() -> bool:
 
 def should_validate(validate: Optional[bool]) -> bool:
     """The call's ``validate=`` (``None``: the process-wide mode), off while
-    compiling or capturing (with a one-time warning)."""
+    compiling or capturing."""
     wanted = _mode["on"] if validate is None else bool(validate)
     if not wanted:
         return False
-    if torch.compiler.is_compiling():
-        if _mode["hooked"] and not _mode["warned"]:
-            _mode["warned"] = True
-            _warn_skipped()
-        return False
-    if _capturing():
-        if not _mode["warned"]:
-            _mode["warned"] = True
-            _warn_skipped()
-        return False
-    if not _mode["hooked"] and "torch._dynamo" in sys.modules:
-        _hook_compiler()
+    if torch.compiler.is_compiling() or _capturing():
+        return _skipped()
     return True
-
-
-set_validation(_env_default())
-if "torch._dynamo" in sys.modules:
-    _hook_compiler()
 
 
 # ----------------------------------------------------------------------------
