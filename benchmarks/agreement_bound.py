@@ -49,7 +49,7 @@ def main():
         given = None
         if per_doc:  # the scales Corpus(scale_layout="document") stores
             n, L = x.shape[0], x.shape[1]
-            given = ms.retrieval._doc_scales(flat, torch.arange(n) * L, torch.full((n,), L), flat.device, flat.shape[0],
+            given = ms.quantization.doc_scales(flat, torch.arange(n) * L, torch.full((n,), L), flat.device, flat.shape[0],
                                              kind)
         v, s = ms.quantize_tokens(flat, kind, given)
         return (v[:, :d].float() * s[:, None]).reshape(x.shape)

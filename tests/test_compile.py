@@ -63,7 +63,7 @@ def test_compile_rescore_topk(ms, device):
     i32 = dict(device=device, dtype=torch.int32)
     qs, ql = torch.tensor([0, 6], **i32), torch.tensor([6, 5], **i32)
     ds, dl = torch.tensor([0, 5, 5, 12], **i32), torch.tensor([5, 0, 7, 8], **i32)
-    keys = ms.retrieval.encode_keys(torch.zeros(2, 3, device=device),
+    keys = ms.keys.encode_keys(torch.zeros(2, 3, device=device),
                                     torch.tensor([[3, 0, 2], [1, -1, 3]], device=device))
     fn = lambda k: ms.ops.rescore_topk(q, qs, ql, None, docs, ds, dl, None, k, 6, 4)  # noqa: E731
     eager = fn(keys)

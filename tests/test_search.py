@@ -127,7 +127,9 @@ def test_search_degenerate(ms, device):
     g = torch.Generator().manual_seed(8)
     docs, off = packed_corpus(5, 16, torch.float32, device, g, min_len=1)
     Q = rand(2, 4, 16, device=device, gen=g)
-    s, ids = ms.search(Q, (docs, off), 8)  # k > number of documents: padded tail
+    s, ids = ms.search(Q, (docs, off), 8)  # k > number of documents: capped at 5
+    assert s.shape == ids.shape == (2, 5)
+    s, ids = ms.search(Q, (docs, off), 8, pad_to_k=True)  # padded tail on request
     assert torch.equal(ids[:, 5:].cpu(), torch.full((2, 3), -1))
     assert torch.all(torch.isneginf(s[:, 5:]))
     assert sorted(ids[0, :5].tolist()) == [0, 1, 2, 3, 4]
@@ -137,6 +139,8 @@ def test_search_degenerate(ms, device):
     assert s1.shape == (3,) and torch.equal(i1, ms.search(Q[:1], (docs, off), 3)[1][0])
     empty = ms.Corpus(docs[:0], torch.zeros(1, dtype=torch.int64), device=device)
     s, ids = ms.search(Q, empty, 2)
+    assert s.shape == ids.shape == (2, 0)
+    s, ids = ms.search(Q, empty, 2, pad_to_k=True)
     assert torch.equal(ids.cpu(), torch.full((2, 2), -1))
     with pytest.raises(ValueError, match="dim"):
         ms.search(rand(2, 4, 8, device=device), (docs, off), 2)
@@ -155,12 +159,12 @@ def test_search_degenerate(ms, device):
 def test_keys_roundtrip(ms):
     s = torch.tensor([[1.5, -0.0, 0.0, float("nan"), float("-inf"), float("inf"), -2.25, 3e-39]])
     ids = torch.arange(8)[None]
-    keys = ms.retrieval.encode_keys(s, ids)
-    back, bid = ms.retrieval.decode_keys(keys)
+    keys = ms.keys.encode_keys(s, ids)
+    back, bid = ms.keys.decode_keys(keys)
     assert torch.equal(bid, ids)
     assert torch.equal(back[~torch.isnan(back)], (s + 0.0)[~torch.isnan(s)])
     assert torch.isnan(back[0, 3])
-    top = ms.retrieval.decode_keys(ms.retrieval.merge_topk(keys, 10))
+    top = ms.keys.decode_keys(ms.keys.merge_topk(keys, 10))
     assert top[1][0].tolist() == [5, 0, 7, 1, 2, 6, 4, 3, -1, -1]  # -0 == +0: lower id first; NaN last
 
 
@@ -191,14 +195,14 @@ def test_block_topk_op_matches_reference(ms, device):
         s = s.to(device)
         got = ms.ops.block_topk(s, id0, k)
         ids = torch.arange(id0, id0 + n, device=device)
-        want = ms.retrieval.encode_keys(s, ids[None, :]).topk(min(k, n), dim=1).values
+        want = ms.keys.encode_keys(s, ids[None, :]).topk(min(k, n), dim=1).values
         assert torch.equal(got, want), (R, n, k)
         if n > 10 and k > 0:
             ids = torch.randperm(10 * n, generator=g)[:R * n].view(R, n)
             ids[:, ::7] = -1  # no candidate
             ids = ids.to(device)
             got = ms.ops.block_topk(s, 0, k, ids)
-            want = ms.retrieval.encode_keys(s, ids).topk(min(k, n), dim=1).values
+            want = ms.keys.encode_keys(s, ids).topk(min(k, n), dim=1).values
             assert torch.equal(got, want), (R, n, k, "ids")
     # a short row (sorted whole on CUDA), one whose keys are all equal
     # (repeated explicit id and score: the CUDA select's capped equal keys)
@@ -210,7 +214,7 @@ def test_block_topk_op_matches_reference(ms, device):
         ids = torch.randperm(n, generator=g)[None] if distinct else torch.full((1, n), 5)
         s, ids = s.to(device), ids.to(device)
         got = ms.ops.block_topk(s, 0, k, ids)
-        want = ms.retrieval.encode_keys(s, ids).topk(k, dim=1).values
+        want = ms.keys.encode_keys(s, ids).topk(k, dim=1).values
         assert torch.equal(got, want), (n, k, same, distinct)
 
 
@@ -495,8 +499,9 @@ def test_rescored_quantized_search_is_exact(ms, device, kind):
         ref = ref_scores(ms, Q, flat, off, q_mask=qmask, d_mask=lmask.reshape(-1))
         got = torch.gather(ref, 1, ids.cpu().long())
         assert torch.allclose(s.double().cpu(), got, atol=1e-5)
-        # k beyond the corpus: padded with (-inf, -1) as the plain search
-        s, ids = ms.search(Q[:1], c, N + 5)
+        # k beyond the corpus: padded with (-inf, -1) on request, as the plain search
+        assert ms.search(Q[:1], c, N + 5)[1].shape == (1, N)
+        s, ids = ms.search(Q[:1], c, N + 5, pad_to_k=True)
         assert ids.shape == (1, N + 5) and (ids[0, N:] == -1).all() and (ids[0, :N] >= 0).all()
 
 
@@ -586,7 +591,7 @@ def _rescore_case(ms, device, dtype, dim, lq, nq, kc, gen):
     if kc >= 6:
         ids[0, :5] = torch.tensor([8, 9, 5, 11, nd + 3])  # twins, empty document, NaN, past the end
         ids[-1, 1] = -1  # an empty slot
-    keys = ms.retrieval.encode_keys(torch.randn(nq, kc, generator=gen), ids)
+    keys = ms.keys.encode_keys(torch.randn(nq, kc, generator=gen), ids)
     q_start = (torch.arange(nq, dtype=torch.int32) * lq)
     q_len = torch.full((nq,), lq, dtype=torch.int32)
     d_start, d_len = off[:-1].to(torch.int32), lens.to(torch.int32)
@@ -617,7 +622,7 @@ def test_rescore_topk_op(ms, device, dtype, dim, lq, nq, kc, k):
     pd = torch.where(cand < d_start.numel(), cand, -1).reshape(-1).to(torch.int32)
     pq = torch.arange(nq, dtype=torch.int32, device=device).repeat_interleave(kc)
     sc, _ = ms.ops.forward(q, q_start, q_len, qmask, docs, d_start, d_len, dmask, pq, pd, 2, lq, 0, False)
-    top = ms.retrieval.merge_topk(ms.ops.block_topk(sc.view(nq, kc), 0, k, cand), k)
+    top = ms.keys.merge_topk(ms.ops.block_topk(sc.view(nq, kc), 0, k, cand), k)
     s0, ids0 = ms.ops.decode_keys(top)
     assert torch.equal(ids.cpu(), ids0.cpu())
     if device == "cuda" and torch.cuda.get_device_capability() == (9, 0):

@@ -17,6 +17,7 @@ import torch
 
 from . import reference
 from ._ops import add_op_namespace_prefix, ops
+from .keys import decode_keys, encode_keys, merge_topk
 
 FORWARD = add_op_namespace_prefix("forward")
 FORWARD_TRAIN = add_op_namespace_prefix("forward_train")
@@ -126,33 +127,27 @@ def _reference_quantize(x, kind, scales=None):
 
 def _reference_block_topk(scores, id0, k, ids=None):
     _warn_fallback("block_topk", scores.device.type)
-    from . import retrieval
-
     if ids is None:
         ids = torch.arange(id0, id0 + scores.shape[1], device=scores.device)[None, :]
-    keys = retrieval.encode_keys(scores, ids)
+    keys = encode_keys(scores, ids)
     return keys.topk(min(k, scores.shape[1]), dim=1).values
 
 
 def _reference_decode_keys(keys):
     _warn_fallback("decode_keys", keys.device.type)
-    from . import retrieval
-
-    return retrieval.decode_keys(keys)
+    return decode_keys(keys)
 
 
 def _reference_rescore_topk(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, keys, lq, k):
     _warn_fallback("rescore_topk", q.device.type)
-    from . import retrieval
-
-    _, ids = retrieval.decode_keys(keys)
+    _, ids = decode_keys(keys)
     nq, kc = keys.shape
     pair_d = torch.where(ids < d_start.shape[0], ids, -1).reshape(-1).to(torch.int32)
     pair_q = torch.arange(nq, device=keys.device, dtype=torch.int32).repeat_interleave(kc)
     s, _ = reference.forward(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d,
                              reference.LIST, lq, 0, False)
-    top = retrieval.merge_topk(retrieval.encode_keys(s.view(nq, kc).float(), ids), k)
-    return retrieval.decode_keys(top)
+    top = merge_topk(encode_keys(s.view(nq, kc).float(), ids), k)
+    return decode_keys(top)
 
 
 def _reference_backward(grad, q, q_start, q_len, d, d_start, d_len, pair_q, pair_d, argmax,

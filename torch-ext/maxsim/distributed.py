@@ -19,8 +19,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import retrieval
 from ._registry import ops
+from .checks import check_count
+from .corpus import as_corpus
+from .keys import encode_keys, merge_topk
+from .retrieval import search as local_search
 from .scoring import maxsim
 
 __all__ = ["all_gather_with_grad", "contrastive_scores", "search"]
@@ -67,28 +70,32 @@ def _need_group():
         raise RuntimeError("maxsim.distributed needs an initialised torch.distributed process group")
 
 
-def search(Q: torch.Tensor, local_corpus, k: int, *, group=None, **kwargs):
+def search(Q: torch.Tensor, local_corpus, k: int, *, group=None, pad_to_k: bool = False, **kwargs):
     """Exact global top-k over a corpus sharded across ranks.
 
     Every rank passes the same queries ``Q`` and ``k`` and its own shard
     (a :class:`maxsim.Corpus` or ``(documents, offsets)``); global document
     ids number the shards in rank order (rank r's document i is
     ``sum of earlier shards' sizes + i``). Returns ``(scores, ids)`` as
-    :func:`maxsim.search` does, identical on every rank. ``kwargs`` go to
-    :func:`maxsim.search` (query lengths / mask, block size).
+    :func:`maxsim.search` does (``min(k, N)`` columns, ``N`` the global
+    document count, or ``k`` with ``pad_to_k=True``), identical on every
+    rank. ``kwargs`` go to :func:`maxsim.search` (query lengths / mask,
+    block size).
     """
     _need_group()
-    local_corpus = retrieval.as_corpus(local_corpus, Q.device)
-    scores, ids = retrieval.search(Q, local_corpus, k, **kwargs)
+    local_corpus = as_corpus(local_corpus, Q.device)
+    sizes = _sizes(len(local_corpus), local_corpus.device, group)
+    k_global = min(check_count("k", k), sum(sizes))
+    # Every rank's list padded to the same width: all_gather needs equal shapes.
+    scores, ids = local_search(Q, local_corpus, k_global, pad_to_k=True, **kwargs)
     single = scores.dim() == 1
     if single:
         scores, ids = scores[None], ids[None]
-    sizes = _sizes(len(local_corpus), scores.device, group)
     offset = sum(sizes[: dist.get_rank(group)])
-    keys = retrieval.encode_keys(scores, torch.where(ids >= 0, ids + offset, -1)).contiguous()
+    keys = encode_keys(scores, torch.where(ids >= 0, ids + offset, -1)).contiguous()
     parts = [torch.empty_like(keys) for _ in sizes]
     dist.all_gather(parts, keys, group=group)
-    scores, ids = ops.decode_keys(retrieval.merge_topk(torch.cat(parts, dim=1), k))
+    scores, ids = ops.decode_keys(merge_topk(torch.cat(parts, dim=1), k if pad_to_k else k_global))
     return (scores[0], ids[0]) if single else (scores, ids)
 
 

@@ -215,11 +215,15 @@ def backward(grad, q, q_start, q_len, d, d_start, d_len, pair_q, pair_d, argmax,
 # ----------------------------------------------------------------------------
 
 def maxsim_reference(Q, D, q_mask=None, d_mask=None, accum=torch.float64):
-    """Q [Nq, Lq, d] x D [Nd, Ld, d] -> [Nq, Nd], or D [Nq, K, Ld, d] -> [Nq, K].
+    """Q [Nq, Lq, d] x D [Nd, Ld, d] -> [Nq, Nd], or D [Nq, K, Ld, d] -> [Nq, K];
+    one pair Q [Lq, d] x D [Ld, d] -> a 0-d score.
 
     Masks are boolean (True = real token). Computed in ``accum`` precision with
     the full grid: for small inputs only.
     """
+    if Q.dim() == 2 and D.dim() == 2:
+        return maxsim_reference(Q[None], D[None], None if q_mask is None else q_mask[None],
+                                None if d_mask is None else d_mask[None], accum)[0, 0]
     Qf, Df = Q.to(accum), D.to(accum)
     q_mask = None if q_mask is None else q_mask.to(Q.device)
     d_mask = None if d_mask is None else d_mask.to(Q.device)
@@ -236,3 +240,72 @@ def maxsim_reference(Q, D, q_mask=None, d_mask=None, accum=torch.float64):
     if q_mask is not None:
         best = torch.where(q_mask[:, None, :], best, torch.zeros_like(best))
     return best.sum(dim=2)
+
+
+# ----------------------------------------------------------------------------
+# erikkaum/maxsim's reference names and call forms (fp32 results; argmax -1,
+# not 0, where no document token wins). Each lowers to :func:`forward`.
+# ----------------------------------------------------------------------------
+
+def _offset_segments(offsets):
+    off = offsets.to(torch.int64)
+    return off[:-1].to(torch.int32), (off[1:] - off[:-1]).to(torch.int32)
+
+
+def maxsim_reference_with_argmax(q, d):
+    """One pair ``q [Lq, d]`` x ``d [Ld, d]`` -> (fp32 0-d score, int32 argmax [Lq])."""
+    zero = torch.zeros(1, dtype=torch.int32, device=q.device)
+    s, a = forward(q, zero, zero + q.shape[0], None, d, zero, zero + d.shape[0], None, None, None,
+                   CROSS, q.shape[0], 1)
+    return s[0], a[0]
+
+
+def score_pairs_packed_with_argmax_reference(queries, query_offsets, documents, document_offsets,
+                                             pair_query_ids, pair_document_ids, max_q_len=None):
+    """Packed pairs -> (fp32 scores [P], int32 argmax [P, max_q_len])."""
+    q_start, q_len = _offset_segments(query_offsets)
+    d_start, d_len = _offset_segments(document_offsets)
+    if max_q_len is None:
+        max_q_len = int(q_len.max()) if q_len.numel() else 0
+    return forward(queries, q_start, q_len, None, documents, d_start, d_len, None, pair_query_ids,
+                   pair_document_ids, LIST, int(max_q_len), 1)
+
+
+def score_pairs_packed_reference(queries, query_offsets, documents, document_offsets, pair_query_ids,
+                                 pair_document_ids):
+    """Packed pairs -> fp32 scores [P]."""
+    return score_pairs_packed_with_argmax_reference(queries, query_offsets, documents, document_offsets,
+                                                    pair_query_ids, pair_document_ids)[0]
+
+
+def score_candidates_padded_with_argmax_reference(queries, documents, query_lengths, doc_lengths):
+    """Padded ``[B, Lq, d]`` x ``[B, C, Ld, d]`` -> (fp32 [B, C], int32 argmax [B, C, Lq])."""
+    B, Lq, dim = queries.shape
+    C, Ld = documents.shape[1], documents.shape[2]
+    dev = queries.device
+    q_start = torch.arange(B, dtype=torch.int32, device=dev) * Lq
+    d_start = torch.arange(B * C, dtype=torch.int32, device=dev) * Ld
+    s, a = forward(queries.reshape(-1, dim), q_start, query_lengths.reshape(-1).to(torch.int32), None,
+                   documents.reshape(-1, dim), d_start, doc_lengths.reshape(-1).to(torch.int32), None,
+                   None, None, GROUPED, Lq, 1)
+    return s.view(B, C), a.view(B, C, Lq)
+
+
+def score_candidates_padded_reference(queries, documents, query_lengths, doc_lengths):
+    """Padded candidates -> fp32 [B, C]."""
+    return score_candidates_padded_with_argmax_reference(queries, documents, query_lengths, doc_lengths)[0]
+
+
+def score_contrastive_with_argmax_reference(queries, documents, document_offsets):
+    """Every query ``[Nq, Lq, d]`` x every packed document -> (fp32 [Nq, Nb], int32 argmax [Nq, Nb, Lq])."""
+    Nq, Lq, dim = queries.shape
+    q_start = torch.arange(Nq, dtype=torch.int32, device=queries.device) * Lq
+    d_start, d_len = _offset_segments(document_offsets)
+    s, a = forward(queries.reshape(-1, dim), q_start, torch.full_like(q_start, Lq), None, documents,
+                   d_start, d_len, None, None, None, CROSS, Lq, 1)
+    return s.view(Nq, -1), a.view(Nq, d_start.numel(), Lq)
+
+
+def score_contrastive_reference(queries, documents, document_offsets):
+    """Every query x every packed document -> fp32 [Nq, Nb]."""
+    return score_contrastive_with_argmax_reference(queries, documents, document_offsets)[0]
