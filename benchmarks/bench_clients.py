@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from importlib.metadata import version
 from pathlib import Path
 
 import torch
@@ -66,6 +67,24 @@ def load_maxsim():
     ms = kernels.get_local_kernel(ROOT)
     ms.integrations.import_transformers()  # before PyLate / colpali-engine: see there
     return ms
+
+
+def import_colpali_scoring() -> None:
+    """Import colpali-engine's scoring parts (``utils.maxsim``, the losses,
+    the processors' base class). Its package ``__init__`` imports every
+    model, and with transformers >= 5.4 the Qwen2-VL processors need
+    torchvision, which a CUDA image may lack and which scoring never uses:
+    if that import fails, the package is registered without running its
+    ``__init__`` and the submodules are imported directly."""
+    try:
+        import colpali_engine  # noqa: F401
+    except ImportError as e:
+        print(f"colpali_engine's package __init__ failed ({e}); importing its scoring modules only")
+        for name in [n for n in sys.modules if n == "colpali_engine" or n.startswith("colpali_engine.")]:
+            del sys.modules[name]
+        sys.modules["colpali_engine"] = importlib.util.module_from_spec(importlib.util.find_spec("colpali_engine"))
+    import colpali_engine.loss.late_interaction_losses  # noqa: F401
+    import colpali_engine.utils.processing_utils  # noqa: F401
 
 
 def available(backend: str, device: str) -> bool:
@@ -116,8 +135,7 @@ def encoder_dir(path: Path, size: dict) -> Path:
     from transformers import BertConfig, BertModel, BertTokenizerFast
 
     words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "[Q]", "[D]"] + [f"w{i}" for i in range(VOCAB - 7)]
-    (path / "vocab.txt").write_text("\n".join(words) + "\n")
-    BertTokenizerFast(vocab_file=str(path / "vocab.txt")).save_pretrained(path)
+    BertTokenizerFast(vocab={w: i for i, w in enumerate(words)}).save_pretrained(path)
     torch.manual_seed(0)
     config = BertConfig(vocab_size=VOCAB, hidden_size=size["hidden"], num_hidden_layers=size["layers"],
                         num_attention_heads=size["heads"], intermediate_size=4 * size["hidden"],
@@ -270,6 +288,7 @@ class PageEncoder(torch.nn.Module):
 
 
 def bench_colpali(ms, size, device, dtype, folder: Path) -> list[dict]:
+    import_colpali_scoring()
     from colpali_engine.loss.late_interaction_losses import ColbertPairwiseNegativeCELoss
     from colpali_engine.utils import maxsim as cm
     from colpali_engine.utils.processing_utils import BaseVisualRetrieverProcessor
@@ -400,12 +419,9 @@ def main():
     name = device_name(device)
     commit = os.environ.get("MAXSIM_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    import pylate
-    import colpali_engine
-
     meta = dict(gpu=name, torch=torch.__version__, date=datetime.date.today().isoformat(), commit=commit,
                 dtype=str(dtype).removeprefix("torch."), smoke=args.smoke, sizes=size,
-                pylate=pylate.__version__, colpali_engine=getattr(colpali_engine, "__version__", None),
+                pylate=version("pylate"), colpali_engine=version("colpali-engine"), transformers=version("transformers"),
                 python=sys.version.split()[0])
     out = Path(args.out or ROOT / "bench_results" / f"{name.lower().replace(' ', '-')}-clients.json")
     out.parent.mkdir(parents=True, exist_ok=True)

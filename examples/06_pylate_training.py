@@ -73,8 +73,7 @@ def build_encoder(path: Path, texts: list[str], seed: int = 0) -> None:
     wordpiece.train_from_iterator(texts, vocab_size=2000, min_frequency=1,
                                   special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "[Q]", "[D]"])
     path.mkdir(parents=True, exist_ok=True)
-    wordpiece.save_model(str(path))
-    BertTokenizerFast(vocab_file=str(path / "vocab.txt"), do_lower_case=True).save_pretrained(path)
+    BertTokenizerFast(vocab=wordpiece.get_vocab(), do_lower_case=True).save_pretrained(path)
     torch.manual_seed(seed)
     config = BertConfig(vocab_size=wordpiece.get_vocab_size(), hidden_size=384, num_hidden_layers=4,
                         num_attention_heads=6, intermediate_size=1536, max_position_embeddings=128,
