@@ -63,7 +63,7 @@ def make_corpus(n_docs: int, seed: int = 0):
     return docs, queries, topic_of
 
 
-def build_encoder(path: Path, texts: list[str], seed: int = 0) -> None:
+def build_encoder(path: Path, texts: list[str], hidden: int = 384, layers: int = 4, seed: int = 0) -> None:
     """A random-weight BERT and a WordPiece tokenizer trained on ``texts``,
     saved where ``models.ColBERT(model_name_or_path=...)`` loads them."""
     from tokenizers import BertWordPieceTokenizer
@@ -75,8 +75,8 @@ def build_encoder(path: Path, texts: list[str], seed: int = 0) -> None:
     path.mkdir(parents=True, exist_ok=True)
     BertTokenizerFast(vocab=wordpiece.get_vocab(), do_lower_case=True).save_pretrained(path)
     torch.manual_seed(seed)
-    config = BertConfig(vocab_size=wordpiece.get_vocab_size(), hidden_size=384, num_hidden_layers=4,
-                        num_attention_heads=6, intermediate_size=1536, max_position_embeddings=128,
+    config = BertConfig(vocab_size=wordpiece.get_vocab_size(), hidden_size=hidden, num_hidden_layers=layers,
+                        num_attention_heads=hidden // 64, intermediate_size=4 * hidden, max_position_embeddings=128,
                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     BertModel(config).save_pretrained(path)
 
@@ -171,19 +171,22 @@ def main():
     ap.add_argument("--steps", type=int, default=150, help="per loss (contrastive, then distillation)")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--negatives", type=int, default=7, help="per query, for distillation")
+    ap.add_argument("--hidden", type=int, default=384, help="encoder width (a multiple of 64)")
+    ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--ci", action="store_true", help="a small size for the CPU in CI")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
     if args.ci:
-        args.docs, args.steps, args.batch_size, args.negatives = 64, 8, 8, 3
+        args.docs, args.steps, args.batch_size, args.negatives, args.hidden, args.layers = 48, 6, 8, 3, 64, 2
     docs, queries, topic_of = make_corpus(args.docs)
     data = datasets(docs, queries, topic_of, args.negatives)
     with tempfile.TemporaryDirectory() as tmp:
         encoder = Path(tmp) / "encoder"
-        build_encoder(encoder, docs + queries)
+        build_encoder(encoder, docs + queries, args.hidden, args.layers)
         runs = {s: run(s, encoder, data, args, args.device, tmp) for s in ("pylate", "maxsim")}
     (_, own, t_own), (model, ours, t_ours) = runs["pylate"], runs["maxsim"]
-    print(f"{len(own)} steps, batch {args.batch_size}, {args.docs} documents, device {args.device}")
+    print(f"{len(own)} steps, batch {args.batch_size}, {args.docs} documents, encoder {args.layers} x {args.hidden}, "
+          f"device {args.device}")
     print("step  loss(pylate)  loss(maxsim)")
     for step, (a, b) in enumerate(zip(own, ours)):
         print(f"{step:4d}  {a:12.6f}  {b:12.6f}")
