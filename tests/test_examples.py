@@ -82,3 +82,42 @@ def test_pylate_dropin():
     assert float(out.split("max relative difference")[1].split()[0]) < 1e-5
     assert "maxsim same order True" in out
     assert float(out.split("max score difference")[1].split()[0]) < 1e-4
+
+
+def _losses(out):
+    """The (host, maxsim) loss of every step from an example's loss table."""
+    rows = [line.split() for line in out.splitlines()]
+    return [(float(r[1]), float(r[2])) for r in rows if len(r) == 3 and r[0].isdigit()]
+
+
+def _needs(package):
+    # Checked without importing: PyLate and colpali-engine import transformers,
+    # which needs maxsim.integrations.import_transformers() first (see there).
+    if importlib.util.find_spec(package) is None:
+        pytest.skip(f"{package} is not installed")
+
+
+def test_pylate_training():
+    _needs("pylate")
+    out = _run("06_pylate_training", "--ci")
+    curve = _losses(out)
+    assert len(curve) == 12, out  # 6 contrastive + 6 distillation steps
+    for step, (own, ours) in enumerate(curve):
+        assert abs(own - ours) <= 1e-4 * max(1.0, abs(own)), f"step {step}: {own} vs {ours}"
+    assert len({own for own, _ in curve}) == len(curve), "the parameters did not change"
+    trained = [line for line in out.splitlines() if line.startswith("trained with")]
+    assert len(trained) == 2 and all(line.endswith("identical with maxsim True") for line in trained), trained
+    assert all(float(line.split("recall@10")[1].split(";")[0]) > 0.2 for line in trained), trained
+
+
+def test_colpali_pages():
+    _needs("colpali_engine")
+    out = _run("07_colpali_pages", "--ci")
+    curve = _losses(out)
+    assert len(curve) == 12, out
+    for step, (own, ours) in enumerate(curve):
+        assert abs(own - ours) <= 1e-4 * max(1.0, abs(own)), f"step {step}: {own} vs {ours}"
+    assert float(out.split("max score difference")[1].split()[0]) < 1e-5
+    assert "rankings identical True" in out
+    before, after = (float(x) for x in out.split("recall@1 before training ")[1].split(";")[0].split(", after "))
+    assert after > 0.5 and after > before + 0.3, (before, after)  # the head learned to ignore the nuisance

@@ -6,9 +6,11 @@ padded query token adds ``max_j 0 = 0``. Unmasked ``maxsim`` computes exactly
 that, so no correction is needed. Gradients agree on every real token; on
 the padding itself they can differ (a tied maximum: amax splits it evenly,
 the kernel gives it to the lowest index), which colpali models never
-propagate (they multiply embeddings by the attention mask). ``use_in_colpali()`` routes
-``maxsim_inbatch`` / ``maxsim_kd`` (processors' ``score_multi_vector``, the
-late-interaction losses) here; ``unuse_in_colpali()`` restores them.
+propagate (they multiply embeddings by the attention mask). Errors are
+RuntimeErrors, as from colpali's einsum. colpali-engine has no scorer
+argument; ``use_in_colpali()`` switches ``maxsim_inbatch`` / ``maxsim_kd``
+(processors' ``score_multi_vector``, the late-interaction losses) for its
+``auto`` backend; ``unuse_in_colpali()`` restores them.
 """
 
 from __future__ import annotations
@@ -18,14 +20,16 @@ from typing import List, Optional, Union
 import torch
 
 from ..scoring import maxsim
-from ._patch import Patcher, import_transformers
+from ._patch import Patcher, host_errors, import_transformers
 
 
+@host_errors
 def maxsim_inbatch(query: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
     """``[B_q, L_q, d] x [B_d, L_d, d] -> [B_q, B_d]`` (einsum dtype, as colpali)."""
     return maxsim(query, doc).to(torch.promote_types(query.dtype, doc.dtype))
 
 
+@host_errors
 def maxsim_kd(query: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
     """``[B, L_q, d] x [B, N, L_d, d] -> [B, N]`` (each query's own candidates)."""
     return maxsim(query, doc).to(torch.promote_types(query.dtype, doc.dtype))
@@ -59,20 +63,22 @@ def score_multi_vector(qs: Union[torch.Tensor, List[torch.Tensor]], ps: Union[to
 
 
 _PATCH = Patcher()
-_MODULES = ("colpali_engine.utils.maxsim", "colpali_engine.utils.processing_utils",
-            "colpali_engine.loss.late_interaction_losses")
 
 
 def use_in_colpali() -> None:
-    """Route colpali-engine's MaxSim (processors' scoring, losses) through
-    these functions. Idempotent."""
+    """Make colpali-engine's ``maxsim_inbatch`` / ``maxsim_kd`` run these
+    wherever they are referenced (losses, processors, ``from ... import``
+    copies made before or after the call). Only the ``auto`` backend is
+    replaced: ``COLPALI_SCORES_BACKEND=torch`` or ``lik`` runs colpali's own
+    code and an invalid value raises colpali's ValueError. Idempotent."""
     if _PATCH.active:
         return
     import_transformers()
     from colpali_engine.utils import maxsim as cm
 
-    _PATCH.replace_everywhere("colpali_engine", _MODULES,
-                              {cm.maxsim_inbatch: maxsim_inbatch, cm.maxsim_kd: maxsim_kd})
+    resolve = getattr(cm, "_resolve_backend", None)  # colpali-engine >= 0.3.18 has backends
+    for host, ours in ((cm.maxsim_inbatch, maxsim_inbatch), (cm.maxsim_kd, maxsim_kd)):
+        _PATCH.reroute(host, ours, lambda kwargs: resolve is not None and resolve() != "auto")
 
 
 def unuse_in_colpali() -> None:

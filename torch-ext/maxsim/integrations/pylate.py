@@ -7,9 +7,14 @@ sum), so a masked document token still competes in the max with similarity 0
 and a masked query token adds 0. Multiplying the embeddings by the masks
 gives exactly those products (``<q m, d n> = m n <q, d>``, for any mask
 value) at the cost of one elementwise product, and gradients (to the masks
-too) follow PyLate's. ``backend`` is accepted and ignored.
-``use_in_pylate()`` routes PyLate's losses, rerank and evaluators here;
-``unuse_in_pylate()`` restores PyLate's own functions.
+too) follow PyLate's. ``backend`` is accepted and ignored; errors are
+RuntimeErrors, as from PyLate's einsum (see ``_patch.host_errors``).
+
+Without patching, PyLate's losses take a scorer as ``score_metric``:
+``Contrastive(model, score_metric=ColBERTScores())``,
+``Distillation(model, score_metric=colbert_kd_scores)``. Scoring that has no
+such argument (``rank.rerank``, evaluators, ``ColBERT.similarity``) is
+switched by ``use_in_pylate()``; see there.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..scoring import maxsim
-from ._patch import Patcher, import_transformers
+from ._patch import Patcher, host_errors, import_transformers
 
 
 def _tensor(x) -> torch.Tensor:
@@ -70,6 +75,7 @@ def _score(Q, D, queries_mask, documents_mask, pad_q=None, pad_d=None):
     return out.to(_out_dtype(Q, D, queries_mask, documents_mask))
 
 
+@host_errors
 def colbert_scores(queries_embeddings, documents_embeddings, queries_mask=None, documents_mask=None,
                    backend=None) -> torch.Tensor:
     """``[A, S, H] x [B, T, H] -> [A, B]``; masks ``[A, S]``, ``[B, T]``."""
@@ -82,6 +88,7 @@ def colbert_scores(queries_embeddings, documents_embeddings, queries_mask=None, 
                   pad_q, pad_d)
 
 
+@host_errors
 def colbert_kd_scores(queries_embeddings, documents_embeddings, queries_mask=None, documents_mask=None,
                       backend=None) -> torch.Tensor:
     """``[A, S, H] x [A, B, T, H] -> [A, B]`` (each query's own candidates);
@@ -89,6 +96,7 @@ def colbert_kd_scores(queries_embeddings, documents_embeddings, queries_mask=Non
     return _score(_tensor(queries_embeddings), _tensor(documents_embeddings), queries_mask, documents_mask)
 
 
+@host_errors
 def colbert_scores_pairwise(queries_embeddings, documents_embeddings, backend=None) -> torch.Tensor:
     """Score of query i against document i -> ``[N]``. Either argument may be a
     padded tensor or a list of (ragged) ``[L_i, H]`` tensors; no masks (PyLate
@@ -110,6 +118,7 @@ class ColBERTScores:
     -> ``[A, G*N]`` with column ``g*N + k``, which is the row order of
     ``D.flatten(0, 1)``: one cross call instead of PyLate's N."""
 
+    @host_errors
     def __call__(self, queries_embeddings, documents_embeddings, queries_mask=None, documents_mask=None,
                  backend=None) -> torch.Tensor:
         D = _tensor(documents_embeddings)
@@ -118,31 +127,31 @@ class ColBERTScores:
 
 
 _PATCH = Patcher()
-_MODULES = ("pylate.scores", "pylate.losses", "pylate.rank", "pylate.evaluation")
 
 
 def use_in_pylate() -> None:
-    """Route PyLate's scoring (losses incl. existing loss objects, rank.rerank,
-    evaluators) through these functions. Idempotent."""
+    """Make PyLate's own scoring functions (``pylate.scores.colbert_scores``,
+    ``colbert_scores_pairwise``, ``colbert_kd_scores``, ``ColBERTScores``)
+    run these, wherever they are referenced: losses and models built before
+    or after the call, ``from pylate.scores import ...`` copies in any
+    module, ``rank.rerank``, evaluators. Only PyLate's ``auto`` backend is
+    replaced: an explicit ``backend="torch" | "flash" | "lik"`` (argument or
+    ``PYLATE_SCORES_BACKEND``) runs PyLate's own code, and an invalid one
+    raises PyLate's ValueError. Idempotent; ``unuse_in_pylate()`` undoes it."""
     if _PATCH.active:
         return
     import_transformers()
     from pylate.scores import colbert as pc
 
-    table = {pc.colbert_scores: colbert_scores, pc.colbert_scores_pairwise: colbert_scores_pairwise,
-             pc.colbert_kd_scores: colbert_kd_scores}
-    _PATCH.replace_everywhere("pylate", _MODULES, table)
-    # Contrastive / CachedContrastive hold ColBERTScores instances: patch the class.
-    _PATCH.set(pc.ColBERTScores, "__call__", ColBERTScores.__call__)
-    # Distillation binds colbert_kd_scores as a default argument at import time.
-    from pylate.losses.distillation import Distillation
-
-    init = Distillation.__init__
-    _PATCH.set(init, "__defaults__", tuple(table.get(v, v) if callable(v) else v for v in init.__defaults__))
+    resolve = getattr(pc, "_resolve_backend", None)  # PyLate >= 1.6 has backends
+    for host, ours in ((pc.colbert_scores, colbert_scores), (pc.colbert_scores_pairwise, colbert_scores_pairwise),
+                       (pc.colbert_kd_scores, colbert_kd_scores),
+                       (pc.ColBERTScores.__call__, ColBERTScores.__call__)):
+        _PATCH.reroute(host, ours, lambda kwargs: resolve is not None and resolve(kwargs.get("backend")) != "auto")
 
 
 def unuse_in_pylate() -> None:
-    """Undo ``use_in_pylate()``."""
+    """Undo ``use_in_pylate()``: every reference runs PyLate's code again."""
     _PATCH.restore()
 
 
