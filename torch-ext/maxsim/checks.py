@@ -102,6 +102,15 @@ def check_tensor(name: str, t) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
 
 
+def check_values(*named) -> None:
+    """``name, tensor, ...`` (None and non-tensors skipped): tensors whose
+    values will be read on the host, so not meta tensors."""
+    for i in range(1, len(named), 2):
+        t = named[i]
+        if isinstance(t, torch.Tensor) and t.device.type == "meta":
+            raise InputError(f"{named[i - 1]} is on the meta device: it holds no values")
+
+
 def check_float(name: str, t) -> None:
     check_tensor(name, t)
     if t.dtype == torch.float64 and t.device.type == "cpu":

@@ -16,7 +16,7 @@ from typing import Iterator, Optional
 import torch
 
 from .quantization import QUANT_DTYPES, doc_scales, quantize_tokens, uniform_doc_scales
-from .checks import FLOATS, INTS, validate_lengths, validate_offsets
+from .checks import FLOATS, INTS, check_values, validate_lengths, validate_offsets
 
 Tensor = torch.Tensor
 
@@ -109,6 +109,8 @@ class Corpus:
             raise ValueError(f"rescore must be None, 'device', 'pinned' or 'cpu', got {rescore!r}")
         if scale_layout not in (None, "token", "document"):
             raise ValueError(f"scale_layout must be None, 'token' or 'document', got {scale_layout!r}")
+        check_values("documents", documents, "offsets", offsets, "lengths", lengths, "mask", mask,
+                     "scales", scales)
         tokens, starts, lens, tmask = _as_packed(documents, offsets, lengths, mask)
         _check_dim(tokens)
         prequant = tokens.dtype in QUANT_DTYPES
@@ -131,7 +133,10 @@ class Corpus:
         if storage == "cpu":
             dev = torch.device("cpu")
         elif device is not None:
-            dev = torch.device(device)
+            try:
+                dev = torch.device(device)
+            except (RuntimeError, TypeError):
+                raise ValueError(f"device must name a torch device, got {device!r}") from None
         elif storage == "pinned" or documents.device.type == "cpu":
             dev = torch.device("cuda") if torch.cuda.is_available() else documents.device
         else:

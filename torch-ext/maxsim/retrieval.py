@@ -22,7 +22,16 @@ from .keys import merge_topk
 from .lowering import padded_segments
 from .quantization import quantize_tokens
 from .reference import CROSS, GROUPED
-from .checks import FLOATS, check_count, check_float, should_validate, validate_lengths
+from .checks import (
+    FLOATS,
+    check_count,
+    check_float,
+    check_lengths,
+    check_mask,
+    check_same,
+    should_validate,
+    validate_lengths,
+)
 
 Tensor = torch.Tensor
 _SCORE_BUDGET = 1 << 23  # scores (Nq x docs) held at once per block
@@ -31,35 +40,31 @@ __all__ = ["search"]
 
 
 def _queries(queries: Tensor, query_lengths, query_mask, device, validate):
-    check_float("queries", queries)
     if queries.dtype not in FLOATS:
         raise TypeError(f"queries must be float32, float16 or bfloat16, got {queries.dtype}")
+    if queries.dim() not in (2, 3):
+        raise ValueError(f"queries must be [Lq, d] or [Nq, Lq, d], got shape {tuple(queries.shape)}")
     single = queries.dim() == 2
+    Nq, Lq, d = (1,) + tuple(queries.shape) if single else queries.shape
+    if query_lengths is not None:
+        scalar = single and isinstance(query_lengths, torch.Tensor) and query_lengths.dim() == 0
+        check_lengths("query_lengths", query_lengths, () if scalar else (Nq,))
+    if query_mask is not None:
+        check_mask("query_mask", query_mask, queries.shape[:-1])
+    check_same("queries", queries, "query_lengths", query_lengths, "query_mask", query_mask)
     if single:
         # a view, not an op per call: every op here is host time in a one-query search
         queries = queries.view((1,) + tuple(queries.shape)) if queries.is_contiguous() else queries[None]
-        if query_mask is not None:
-            query_mask = query_mask[None]
-        if query_lengths is not None:
-            query_lengths = torch.as_tensor(query_lengths).reshape(1)
-    if queries.dim() != 3:
-        raise ValueError(f"queries must be [Lq, d] or [Nq, Lq, d], got shape {tuple(queries.shape)}")
-    Nq, Lq, d = queries.shape
     if queries.device != device:
         queries = queries.to(device)
     ql = None
     if query_lengths is not None:
-        ql = torch.as_tensor(query_lengths).to(device)
-        if ql.shape != (Nq,) or ql.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"query_lengths must be int [Nq={Nq}]")
+        ql = query_lengths.reshape(1) if single else query_lengths
+        ql = ql.to(device)
         if should_validate(validate):
             validate_lengths("query_lengths", ql, Lq)
     q_start, q_len = padded_segments(Nq, Lq, ql, device)
-    qm = None
-    if query_mask is not None:
-        if query_mask.dtype != torch.bool or tuple(query_mask.shape) != (Nq, Lq):
-            raise ValueError(f"query_mask must be bool [Nq={Nq}, Lq={Lq}]")
-        qm = query_mask.to(device).reshape(-1).contiguous()
+    qm = None if query_mask is None else query_mask.to(device).reshape(-1).contiguous()
     flat = queries.view(Nq * Lq, d) if queries.is_contiguous() else queries.reshape(Nq * Lq, d).contiguous()
     return single, flat, q_start, q_len, qm, Nq, Lq
 

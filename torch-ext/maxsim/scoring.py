@@ -245,12 +245,14 @@ def _pairs(queries, query_offsets, documents, document_offsets, pair_query_ids, 
     if max_query_length is None:
         # Argmax width / tiling bound: one host sync unless the caller says.
         # (At most Tq: offsets that describe no layout score NaN anyway.)
-        lq = min(int((query_offsets[1:] - query_offsets[:-1]).max()), Tq) if Nq else 0
+        lq = width = min(int((query_offsets[1:] - query_offsets[:-1]).max()), Tq) if Nq else 0
     else:
-        # No query is longer than Tq: a larger bound only widens the argmax.
-        lq = min(check_count(length_name, max_query_length), Tq)
+        width = check_count(length_name, max_query_length)
         if should_validate(validate):
-            validate_max_length(length_name, lq, query_offsets)
+            validate_max_length(length_name, width, query_offsets)
+        # The kernels' bound: no query is longer than Tq, so a larger declared
+        # bound only widens the returned argmax (with -1), not the work.
+        lq = min(width, Tq)
     # One op for the segments and the int32 pair ids; a query longer than lq
     # is an invalid segment (NaN).
     q_start, q_len, d_start, d_len, pair_q32, pair_d32 = segments(
@@ -258,12 +260,15 @@ def _pairs(queries, query_offsets, documents, document_offsets, pair_query_ids, 
         [(pair_query_ids, *I32_RANGE), (pair_document_ids, *I32_RANGE)])
     P = pair_query_ids.shape[0]
     if P == 0:
-        return empty_result((0,), lq, queries, documents, mode)
+        return empty_result((0,), width, queries, documents, mode)
     kind = argmax_kind(mode == "train", mode == "argmax", Td)
     scores, argmax = run(queries, q_start, q_len, None, documents, d_start,
                          d_len, None, pair_q32, pair_d32, LIST, lq, kind, tf32, normalize)
     if mode == "argmax":
-        return scores, as_int32(argmax)
+        argmax = as_int32(argmax)
+        if width > lq:
+            argmax = torch.cat([argmax, argmax.new_full((P, width - lq), -1)], dim=1)
+        return scores, argmax
     return scores
 
 
@@ -288,10 +293,9 @@ def score_pairs_packed(queries: Tensor, query_offsets: Tensor, documents: Tensor
 def score_pairs_packed_with_argmax(queries, query_offsets, documents, document_offsets, pair_query_ids,
                                    pair_document_ids, *, max_query_length=None, validate=None, tf32=False,
                                    normalize=False, max_q_len=None):
-    """As :func:`score_pairs_packed`, plus int32 argmax ``[P, W]``, ``W`` the
-    smaller of ``max_query_length`` (or the longest query) and the query
-    token count (document-token index within the document, -1 past the
-    query's length)."""
+    """As :func:`score_pairs_packed`, plus int32 argmax ``[P, max_query_length]``
+    (without it, as wide as the longest query): document-token index within
+    the document, -1 past the query's length."""
     return _pairs(queries, query_offsets, documents, document_offsets, pair_query_ids,
                   pair_document_ids, (max_query_length, max_q_len), mode="argmax", validate=validate, tf32=tf32,
                   normalize=normalize)
