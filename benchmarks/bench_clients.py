@@ -365,12 +365,13 @@ def print_table(rows):
     print(f"{'client':8} {'task':26} {'backend':8} {'ms':>10} {'scoring ms':>11} {'share':>6} "
           f"{'loss diff':>9} {'ranking':>8}")
     for r in rows:
-        def cell(key, fmt):
-            return format(r[key], fmt) if r.get(key) is not None else "-"
+        def cell(key, width, fmt):
+            return format(r[key], fmt) if r.get(key) is not None else "-".rjust(width)
 
-        print(f"{r['client']:8} {r['task']:26} {r['backend']:8} {cell('ms', '10.3f')} {cell('scoring_ms', '11.3f')} "
-              f"{cell('scoring_share', '6.2f')} {cell('loss_diff', '9.1e')} "
-              f"{('same' if r['same_ranking'] else 'DIFFERS') if 'same_ranking' in r else '-':>8}")
+        ranking = "-" if "same_ranking" not in r else "same" if r["same_ranking"] else "DIFFERS"
+        print(f"{r['client']:8} {r['task']:26} {r['backend']:8} {cell('ms', 10, '10.3f')} "
+              f"{cell('scoring_ms', 11, '11.3f')} {cell('scoring_share', 6, '6.2f')} "
+              f"{cell('loss_diff', 9, '9.1e')} {ranking:>8}")
 
 
 def chart(rows, path: Path, title: str):
