@@ -20,7 +20,8 @@ retrieval ranking is compared with the host's own torch path on fp32
 embeddings (``same_ranking``); training losses of the first step with the
 torch backend's (``loss_diff``).
 
-    python benchmarks/bench_clients.py            # GPU, the sizes above
+    python benchmarks/bench_clients.py            # GPU, the sizes above, bf16
+    python benchmarks/bench_clients.py --dtype fp32
     python benchmarks/bench_clients.py --smoke    # tiny sizes, runs on the CPU
 
 Writes ``bench_results/<device>-clients.json`` (``{"meta": {...}, "rows":
