@@ -20,12 +20,14 @@ retrieval ranking is compared with the host's own torch path on fp32
 embeddings (``same_ranking``); training losses of the first step with the
 torch backend's (``loss_diff``).
 
-    python benchmarks/bench_clients.py            # GPU, the sizes above
+    python benchmarks/bench_clients.py            # GPU, the sizes above, bf16
+    python benchmarks/bench_clients.py --dtype fp32
     python benchmarks/bench_clients.py --smoke    # tiny sizes, runs on the CPU
 
 Writes ``bench_results/<device>-clients.json`` (``{"meta": {...}, "rows":
 [{"client", "task", "backend", "ms", "scoring_ms", "scoring_share",
-"loss_diff", "same_ranking"}]}``) and a chart ``<device>-clients.png``.
+"loss_diff", "same_ranking"}]}``; a failed backend's row has ``"error"``
+instead of times) and a chart ``<device>-clients.png``.
 """
 
 from __future__ import annotations
@@ -107,6 +109,18 @@ def env(name: str, value: str | None):
         os.environ.pop(name, None)
         if saved is not None:
             os.environ[name] = saved
+
+
+@contextlib.contextmanager
+def failures_recorded(rows: list, client: str, task: str, backend: str):
+    """A backend that fails (a shape, dtype or GPU a peer does not support)
+    becomes a row with its error instead of ending the run."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001
+        error = f"{type(e).__name__}: {e}"[:300]
+        print(f"{client} {task} {backend} failed: {error}")
+        rows.append(dict(client=client, task=task, backend=backend, error=error))
 
 
 def timed_ms(fn, device: str, reps: int) -> float:
@@ -201,29 +215,30 @@ def bench_pylate(ms, size, device, dtype, folder: Path) -> list[dict]:
                  losses.Distillation(model, score_metric=ip.colbert_kd_scores) if ours else losses.Distillation(model),
                  (kd_in, kd_labels), kd_scoring),
             ):
-                model.load_state_dict(initial)
-                opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+                with failures_recorded(rows, "pylate", task, backend):
+                    model.load_state_dict(initial)
+                    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
 
-                def step():
-                    opt.zero_grad(set_to_none=True)
-                    loss = loss_fn(*loss_args)
-                    loss.backward()
-                    opt.step()
-                    return loss
+                    def step():
+                        opt.zero_grad(set_to_none=True)
+                        loss = loss_fn(*loss_args)
+                        loss.backward()
+                        opt.step()
+                        return loss
 
-                loss0 = step().item()
-                first_loss.setdefault(task, loss0)
-                ms_step = timed_ms(step, device, size["reps"])
+                    loss0 = step().item()
+                    first_loss.setdefault(task, loss0)
+                    ms_step = timed_ms(step, device, size["reps"])
 
-                def scoring():
-                    q, d = (t.detach().requires_grad_(True) for t in scoring_args[:2])
-                    out = loss_fn.score_metric(q, d, *scoring_args[2:])
-                    out.backward(torch.ones_like(out))
+                    def scoring():
+                        q, d = (t.detach().requires_grad_(True) for t in scoring_args[:2])
+                        out = loss_fn.score_metric(q, d, *scoring_args[2:])
+                        out.backward(torch.ones_like(out))
 
-                ms_score = timed_ms(scoring, device, size["reps"])
-                rows.append(dict(client="pylate", task=task, backend=backend, ms=ms_step, scoring_ms=ms_score,
-                                 scoring_share=ms_score / ms_step,
-                                 loss_diff=abs(loss0 - first_loss[task]) / max(1.0, abs(first_loss[task]))))
+                    ms_score = timed_ms(scoring, device, size["reps"])
+                    rows.append(dict(client="pylate", task=task, backend=backend, ms=ms_step, scoring_ms=ms_score,
+                                     scoring_share=ms_score / ms_step,
+                                     loss_diff=abs(loss0 - first_loss[task]) / max(1.0, abs(first_loss[task]))))
     rows += pylate_rerank(ip, rank, pc, size, device, dtype, backends)
     return rows
 
@@ -252,7 +267,8 @@ def pylate_rerank(ip, rank, pc, size, device, dtype, backends) -> list[dict]:
     rows = []
     for backend in backends:
         ours = backend == "maxsim"
-        with env("PYLATE_SCORES_BACKEND", None if ours else backend):
+        with env("PYLATE_SCORES_BACKEND", None if ours else backend), \
+                failures_recorded(rows, "pylate", f"rerank-{nc}", backend):
             if ours:
                 ip.use_in_pylate()
             try:
@@ -262,8 +278,8 @@ def pylate_rerank(ip, rank, pc, size, device, dtype, backends) -> list[dict]:
                                     size["reps"])
             finally:
                 ip.unuse_in_pylate()
-        rows.append(dict(client="pylate", task=f"rerank-{nc}", backend=backend, ms=ms_rerank, scoring_ms=ms_score,
-                         scoring_share=ms_score / ms_rerank, same_ranking=same))
+            rows.append(dict(client="pylate", task=f"rerank-{nc}", backend=backend, ms=ms_rerank,
+                             scoring_ms=ms_score, scoring_share=ms_score / ms_rerank, same_ranking=same))
     return rows
 
 
@@ -324,32 +340,35 @@ def bench_colpali(ms, size, device, dtype, folder: Path) -> list[dict]:
             if ours:
                 ic.use_in_colpali()
             try:
-                encoder.load_state_dict(initial)
-                opt = torch.optim.AdamW(encoder.parameters(), lr=1e-5)
+                with failures_recorded(rows, "colpali", "train-pairwise-negative", backend):
+                    encoder.load_state_dict(initial)
+                    opt = torch.optim.AdamW(encoder.parameters(), lr=1e-5)
 
-                def step():
-                    opt.zero_grad(set_to_none=True)
-                    loss = loss_fn(encoder(q_in), encoder(p_in), encoder(n_in).view(B, K, size["page"], -1))
-                    loss.backward()
-                    opt.step()
-                    return loss
+                    def step():
+                        opt.zero_grad(set_to_none=True)
+                        loss = loss_fn(encoder(q_in), encoder(p_in), encoder(n_in).view(B, K, size["page"], -1))
+                        loss.backward()
+                        opt.step()
+                        return loss
 
-                loss0 = step().item()
-                first_loss = loss0 if first_loss is None else first_loss
-                ms_step = timed_ms(step, device, size["reps"])
+                    loss0 = step().item()
+                    first_loss = loss0 if first_loss is None else first_loss
+                    ms_step = timed_ms(step, device, size["reps"])
 
-                def scoring():  # the calls the loss routes through the backend
-                    q, p, n = (t.detach().requires_grad_(True) for t in (Q, P, Nn))
-                    (cm.maxsim_kd(q, n).sum() + cm.maxsim_inbatch(q, p).sum()).backward()
+                    def scoring():  # the calls the loss routes through the backend
+                        q, p, n = (t.detach().requires_grad_(True) for t in (Q, P, Nn))
+                        (cm.maxsim_kd(q, n).sum() + cm.maxsim_inbatch(q, p).sum()).backward()
 
-                ms_score = timed_ms(scoring, device, size["reps"])
-                rows.append(dict(client="colpali", task="train-pairwise-negative", backend=backend, ms=ms_step,
-                                 scoring_ms=ms_score, scoring_share=ms_score / ms_step,
-                                 loss_diff=abs(loss0 - first_loss) / max(1.0, abs(first_loss))))
-                same = torch.equal(retrieve(torch.float32).argsort(dim=1, descending=True, stable=True), reference)
-                ms_ret = timed_ms(lambda: retrieve(dtype), device, max(2, size["reps"] // 4))
-                rows.append(dict(client="colpali", task=f"retrieve-{size['pages']}-pages", backend=backend,
-                                 ms=ms_ret, same_ranking=same))
+                    ms_score = timed_ms(scoring, device, size["reps"])
+                    rows.append(dict(client="colpali", task="train-pairwise-negative", backend=backend, ms=ms_step,
+                                     scoring_ms=ms_score, scoring_share=ms_score / ms_step,
+                                     loss_diff=abs(loss0 - first_loss) / max(1.0, abs(first_loss))))
+                task = f"retrieve-{size['pages']}-pages"
+                with failures_recorded(rows, "colpali", task, backend):
+                    same = torch.equal(retrieve(torch.float32).argsort(dim=1, descending=True, stable=True),
+                                       reference)
+                    ms_ret = timed_ms(lambda: retrieve(dtype), device, max(2, size["reps"] // 4))
+                    rows.append(dict(client="colpali", task=task, backend=backend, ms=ms_ret, same_ranking=same))
             finally:
                 ic.unuse_in_colpali()
     return rows
@@ -365,12 +384,13 @@ def print_table(rows):
     print(f"{'client':8} {'task':26} {'backend':8} {'ms':>10} {'scoring ms':>11} {'share':>6} "
           f"{'loss diff':>9} {'ranking':>8}")
     for r in rows:
-        def cell(key, fmt):
-            return format(r[key], fmt) if r.get(key) is not None else "-"
+        def cell(key, width, fmt):
+            return format(r[key], fmt) if r.get(key) is not None else "-".rjust(width)
 
-        print(f"{r['client']:8} {r['task']:26} {r['backend']:8} {cell('ms', '10.3f')} {cell('scoring_ms', '11.3f')} "
-              f"{cell('scoring_share', '6.2f')} {cell('loss_diff', '9.1e')} "
-              f"{('same' if r['same_ranking'] else 'DIFFERS') if 'same_ranking' in r else '-':>8}")
+        ranking = "-" if "same_ranking" not in r else "same" if r["same_ranking"] else "DIFFERS"
+        print(f"{r['client']:8} {r['task']:26} {r['backend']:8} {cell('ms', 10, '10.3f')} "
+              f"{cell('scoring_ms', 11, '11.3f')} {cell('scoring_share', 6, '6.2f')} "
+              f"{cell('loss_diff', 9, '9.1e')} {ranking:>8}" + (f"  FAILED {r['error']}" if "error" in r else ""))
 
 
 def chart(rows, path: Path, title: str):
@@ -384,7 +404,7 @@ def chart(rows, path: Path, title: str):
     for ax, (client, task) in zip(axes[0], tasks):
         sel = [r for r in rows if (r["client"], r["task"]) == (client, task)]
         x = range(len(sel))
-        ax.bar(x, [r["ms"] for r in sel], color="#9ecae1", label="whole call")
+        ax.bar(x, [r.get("ms") or 0 for r in sel], color="#9ecae1", label="whole call")
         ax.bar(x, [r.get("scoring_ms") or 0 for r in sel], color="#3182bd", label="scoring alone")
         ax.set_xticks(list(x), [r["backend"] for r in sel], rotation=30)
         ax.set_title(f"{client}\n{task}", fontsize=9)

@@ -13,6 +13,9 @@ such argument, through ``use_in_pylate()``.
 Prints the loss of every step for both runs, their largest difference, the
 retrieval quality (MRR@10, recall@10) of each trained model, and whether
 PyLate's rerank gives the same rankings with its scoring and with maxsim's.
+PyLate's side uses its exact fp32 ``torch`` backend unless
+``--pylate-backend`` names another (on a GPU its ``auto`` picks flash-maxsim
+or late-interaction-kernels when installed).
 """
 
 from __future__ import annotations
@@ -131,6 +134,12 @@ def datasets(docs, queries, topic_of, n_negatives: int, seed: int = 0):
     return contrastive, Dataset.from_dict(rows)
 
 
+def pylate_backend(name: str) -> None:
+    """PyLate's ``PYLATE_SCORES_BACKEND``: while ``use_in_pylate()`` is on,
+    ``auto`` is maxsim and an explicit backend PyLate's own code."""
+    os.environ["PYLATE_SCORES_BACKEND"] = name
+
+
 def run(scoring: str, encoder: Path, data, args, device: str, out: str):
     """Contrastive then distillation training with ``scoring`` ("pylate" or
     "maxsim") in the losses -> (trained model, loss per step, seconds)."""
@@ -138,6 +147,7 @@ def run(scoring: str, encoder: Path, data, args, device: str, out: str):
     model = load_colbert(encoder, device)
     ours = scoring == "maxsim"
     t = time.perf_counter()
+    pylate_backend("auto" if ours else args.pylate_backend)
     curve = train(model, losses.Contrastive(model, score_metric=ip.ColBERTScores() if ours else None),
                   contrastive, args.steps, args.batch_size, out)
     kd = losses.Distillation(model, score_metric=ip.colbert_kd_scores) if ours else losses.Distillation(model)
@@ -173,6 +183,8 @@ def main():
     ap.add_argument("--negatives", type=int, default=7, help="per query, for distillation")
     ap.add_argument("--hidden", type=int, default=384, help="encoder width (a multiple of 64)")
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--pylate-backend", default="torch", choices=("torch", "auto", "flash", "lik"),
+                    help="PyLate's scoring in the run compared with maxsim (torch: its exact fp32 path)")
     ap.add_argument("--ci", action="store_true", help="a small size for the CPU in CI")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
@@ -186,7 +198,7 @@ def main():
         runs = {s: run(s, encoder, data, args, args.device, tmp) for s in ("pylate", "maxsim")}
     (_, own, t_own), (model, ours, t_ours) = runs["pylate"], runs["maxsim"]
     print(f"{len(own)} steps, batch {args.batch_size}, {args.docs} documents, encoder {args.layers} x {args.hidden}, "
-          f"device {args.device}")
+          f"device {args.device}, PyLate backend {args.pylate_backend}")
     print("step  loss(pylate)  loss(maxsim)")
     for step, (a, b) in enumerate(zip(own, ours)):
         print(f"{step:4d}  {a:12.6f}  {b:12.6f}")
@@ -194,9 +206,10 @@ def main():
     print(f"training time pylate {t_own:.1f} s, maxsim {t_ours:.1f} s")
     for name, (m, _, _) in runs.items():
         q, d = encode(m, docs, queries)
-        ip.unuse_in_pylate()
+        pylate_backend(args.pylate_backend)
         own_rank = retrieve(q, d)
         ip.use_in_pylate()
+        pylate_backend("auto")
         our_rank = retrieve(q, d)
         ip.unuse_in_pylate()
         mrr, recall = quality(own_rank)

@@ -125,6 +125,8 @@ def main():
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--negatives", type=int, default=3)
+    ap.add_argument("--colpali-backend", default="torch", choices=("torch", "auto", "lik"),
+                    help="colpali's scoring in the run compared with maxsim (torch: its exact fp32 path)")
     ap.add_argument("--ci", action="store_true", help="a small size for the CPU in CI")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
@@ -132,13 +134,16 @@ def main():
         args.pages, args.page_tokens, args.steps, args.batch_size, args.negatives = 48, 256, 12, 8, 2
     data = make_pages(args.pages, args.page_tokens, args.query_tokens, args.device)
     print(f"{args.pages} pages of <= {args.page_tokens} tokens, {args.steps} steps of batch {args.batch_size} "
-          f"+ {args.negatives} negatives, device {args.device}")
+          f"+ {args.negatives} negatives, device {args.device}, colpali backend {args.colpali_backend}")
+    colpali_backend(args.colpali_backend)
     (head, own), t_own = timed(lambda: train(data, args.steps, args.batch_size, args.negatives, args.device),
                                args.device)
     ic.use_in_colpali()
+    colpali_backend("auto")
     (_, ours), t_ours = timed(lambda: train(data, args.steps, args.batch_size, args.negatives, args.device),
                               args.device)
     ic.unuse_in_colpali()
+    colpali_backend(args.colpali_backend)
     print("step  loss(colpali)  loss(maxsim)")
     for step, (a, b) in enumerate(zip(own, ours)):
         print(f"{step:4d}  {a:13.6f}  {b:12.6f}")
@@ -152,6 +157,7 @@ def main():
     qs, ps = page_lists(head, data)
     ref, t_ref = timed(lambda: score(qs, ps, batch_size=64, device=args.device), args.device)
     ic.use_in_colpali()
+    colpali_backend("auto")
     got, t_got = timed(lambda: score(qs, ps, batch_size=64, device=args.device), args.device)
     ic.unuse_in_colpali()
     k = min(10, args.pages)
@@ -160,6 +166,12 @@ def main():
     print(f"max score difference {((got - ref).abs().max() / ref.abs().max()).item():.2e}")
     print(f"recall@1 before training {recall_before:.3f}, after {recall_at_1(ref):.3f}; "
           f"top-{k} rankings identical {same}")
+
+
+def colpali_backend(name: str) -> None:
+    """colpali's ``COLPALI_SCORES_BACKEND``: while ``use_in_colpali()`` is on,
+    ``auto`` is maxsim and ``torch`` / ``lik`` colpali's own code."""
+    os.environ["COLPALI_SCORES_BACKEND"] = name
 
 
 def recall_at_1(scores):
