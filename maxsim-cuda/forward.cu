@@ -1,38 +1,25 @@
-// maxsim::forward_cuda: host dispatch of the forward kernels.
+// maxsim::forward_cuda: executes the forward plan (forward_plan.h) of a call.
 //
-// Paths:
-//   * fp16 / bf16 (and fp32 with tf32=True): tensor-core kernel
-//     (forward_mma.cuh), one of a few tile configurations chosen from lq, the
-//     layout and the number of queries (see choose_mma_cfg);
-//   * int8 / fp8 e4m3 tokens with per-token scales (forward_quant): the same
-//     tensor-core kernel on m16n8k32 (fp8 needs sm_89+); int8, and fp8 rows
-//     of <= 128 bytes, with >= 128 query rows per tile on sm_90a: the wgmma
-//     kernel (k32 steps; fp8 accumulation there: see forward_wgmma.cuh);
-//   * fp16 / bf16 or 8-bit tokens, one query of lq <= 32 against many
-//     documents of a few thousand tokens at most, no argmax (reranking,
-//     corpus scans and searches: memory bound): the register-streaming kernel
-//     (forward_stream.cuh), one warp per document, no shared memory;
-//   * fp32 (exact, default) and whatever the tensor-core kernel cannot take
-//     (odd dim in 16-bit types, rows not 4-byte aligned, a query tile too wide
-//     for shared memory): the FFMA kernel (forward_simt.cuh).
-// One CTA per (M tile, doc chunk, doc or pair). When a query spans several M
-// tiles (lq > BM) or docs are split into chunks for parallelism, CTAs write
-// partials to a workspace and finalize_partial_kernel / finalize_rows_kernel
-// merge and sum them in a fixed order (deterministic; no atomics). No host synchronisation: the
-// longest document is unknown on the host, so splits are sized from the mean
-// document length and every CTA derives its token range from d_len on device.
+// The planner picks the kernel family (register streaming, staged wgmma
+// stream, wgmma, mma.sync, SIMT), its configuration, the document split and
+// the grid from the call's shape facts and the device facts gathered here
+// (cuda_device_facts); this file validates the arguments, fills FwdParams from the
+// plan and launches. The executors never decline.
+//
+// One CTA per (M tile, doc chunk, doc or pair) for the tile kernels. When a
+// query spans several M tiles (lq > BM) or docs are split into chunks for
+// parallelism, CTAs write partials to a workspace and finalize_partial_kernel
+// / finalize_rows_kernel merge and sum them in a fixed order (deterministic;
+// no atomics). No host synchronisation: the longest document is unknown on
+// the host, so splits are sized from the mean document length and every CTA
+// derives its token range from d_len on device.
 //
 // normalize: inverse row norms go in as per-token scales, applied like 8-bit
 // token scales (doc token before the max, query row after it): the query's
 // from a small pre-pass (normalize_rows.cuh), the documents' computed by the
-// tensor-core kernel from its own B fragments (documents read once); the
-// SIMT kernel takes both from pre-passes and scales rows as it converts
-// them; the wgmma kernel stages the documents' pre-pass norms with each
-// tile (as 8-bit token scales). No normalised copy is written.
-//
-// Hook for other kernels (e.g. a wgmma path for large lq on sm_90): plug in at
-// the "path selection" block of forward_cuda; FwdParams carries everything
-// the work decomposition and the finalize kernels need.
+// mma.sync kernel from its own B fragments (documents read once); the SIMT
+// and wgmma kernels take the documents' from a pre-pass. No normalised copy
+// is written.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
@@ -49,41 +36,6 @@
 
 namespace maxsim {
 namespace cuda_fwd {
-
-// Developer hook (benchmark harness only): force a tensor-core configuration
-// (0..kNumMmaCfgs-1), -2 forces the SIMT kernel, -3 the streaming kernel for
-// any layout it can take, -4 the sm_90a wgmma kernel wherever it can take the
-// shape, however few query rows fill its 128-row tile, -1 = heuristic. Also a
-// forced doc split count (0 = heuristic).
-static int g_forced_cfg = -1;
-static int g_forced_splits = 0;
-static int g_forced_dpc = 0;  // docs per CTA of the MMA kernel (0 = heuristic)
-void set_forced_config(int cfg, int splits) {
-  g_forced_cfg = cfg;
-  g_forced_splits = splits;
-}
-void set_forced_dpc(int dpc) { g_forced_dpc = dpc; }
-static int g_stream_split = 0;  // streaming kernel warps per pair (0 = heuristic)
-static int g_stream_il = -1;    // interleaved lanes (-1 = heuristic)
-static int g_stream_qsm = -1;   // query staged in shared memory (-1 = heuristic)
-void set_stream_mode(int split, int il, int qsm) {
-  g_stream_split = split;
-  g_stream_il = il;
-  g_stream_qsm = qsm;
-}
-static int g_stream_keep = -1;  // plain (L2-keeping) document loads: 1 all CTAs, k > 1 the first k, 0 none, -1 heuristic
-void set_stream_keep(int keep) { g_stream_keep = keep; }
-static int64_t g_stream_tail = -1;  // streaming kernel tail pairs split over 4 warps (-1 = heuristic)
-void set_stream_tail(int64_t pairs) { g_stream_tail = pairs; }
-static int g_stream_spec = 3;  // guessed starts: bit 0 documents, bit 1 queries
-void set_stream_spec(int on) { g_stream_spec = on; }
-static int g_stream_wg = -1;  // staged wgmma stream kernel: its document stages (3-5), 0 off, -1 heuristic
-void set_stream_wg(int nst) { g_stream_wg = nst; }
-// The staged wgmma stream for queries of 33-128 rows (one query or per-query
-// candidates): this many stages (3-5), 0 off (the tile kernels), -1 the
-// launcher's rule.
-static int g_stream_wg_long = -1;
-void set_stream_wg_long(int nst) { g_stream_wg_long = nst; }
 
 namespace {
 
@@ -143,122 +95,81 @@ __global__ void __launch_bounds__(256) finalize_rows_kernel(FwdParams p) {
   if (lane == 0) p.scores[pr] = ok ? sum : __int_as_float(0x7fc00000);
 }
 
-void run_mma_any(at::ScalarType t, int cfg, bool arg, const FwdParams& p, int64_t item0, int64_t n, size_t smem,
-                 cudaStream_t st, bool scaled) {
-  if (scaled) {  // float tokens under normalize
-    if (t == at::kHalf)
-      run_mma_scaled<__half>(cfg, arg, p, item0, n, smem, st);
-    else if (t == at::kBFloat16)
-      run_mma_scaled<__nv_bfloat16>(cfg, arg, p, item0, n, smem, st);
-    else
-      run_mma_scaled<float>(cfg, arg, p, item0, n, smem, st);
-    return;
+// One dtype ladder for every family: f(T{}) with the token type of t.
+template <typename F>
+auto with_token_type(at::ScalarType t, F&& f) {
+  switch (t) {
+    case at::kHalf: return f(__half{});
+    case at::kBFloat16: return f(__nv_bfloat16{});
+    case at::kChar: return f(int8_t{});
+    case at::kFloat8_e4m3fn: return f(__nv_fp8_e4m3{});
+    default: return f(float{});
   }
-  if (t == at::kHalf)
-    run_mma<__half>(cfg, arg, p, item0, n, smem, st);
-  else if (t == at::kChar)
-    run_mma<int8_t>(cfg, arg, p, item0, n, smem, st);
-  else if (t == at::kFloat8_e4m3fn)
-    run_mma<__nv_fp8_e4m3>(cfg, arg, p, item0, n, smem, st);
-  else if (t == at::kBFloat16)
-    run_mma<__nv_bfloat16>(cfg, arg, p, item0, n, smem, st);
-  else
-    run_mma<float>(cfg, arg, p, item0, n, smem, st);
 }
 
-bool wgmma_ready_any(at::ScalarType t, int64_t dim, bool arg, bool scaled) {
-  if (scaled) {  // 16-bit tokens under normalize
-    if (t == at::kHalf) return run_wgmma_scaled_available<__half>(dim, arg);
-    if (t == at::kBFloat16) return run_wgmma_scaled_available<__nv_bfloat16>(dim, arg);
-    return false;
-  }
-  if (t == at::kHalf) return run_wgmma_available<__half>(dim, arg);
-  if (t == at::kBFloat16) return run_wgmma_available<__nv_bfloat16>(dim, arg);
-  if (t == at::kChar) return run_wgmma_available<int8_t>(dim, arg);
-  if (t == at::kFloat8_e4m3fn) return run_wgmma_available<__nv_fp8_e4m3>(dim, arg);
-  return false;
+template <typename T>
+constexpr bool kIs16Bit = std::is_same<T, __half>::value || std::is_same<T, __nv_bfloat16>::value;
+
+// Resident CTAs per SM of a kernel the planner considers (the runtime's
+// occupancy; each kernel asked once, or once per shared-memory size).
+int blocks_per_sm(const plan::KernelId& k) {
+  return with_token_type(scalar_type(k.dtype), [&](auto tag) -> int {
+    using T = decltype(tag);
+    if (k.family == plan::Family::kMma) {
+      if constexpr (!kIsQuant<T>) {
+        if (k.scaled) return occupancy_mma_scaled<T>(k.cfg, k.argmax, (size_t)k.smem);
+      }
+      return occupancy_mma<T>(k.cfg, k.argmax, (size_t)k.smem);
+    }
+    if (k.family == plan::Family::kSimt) {
+      if constexpr (!kIsQuant<T>) return occupancy_simt_t<T>(k.argmax);
+    } else if (k.family == plan::Family::kStream) {
+      if constexpr (!std::is_same<T, float>::value) {
+        plan::StreamPlan s;
+        s.ks = k.ks;
+        s.rows = k.rows;
+        s.warps = k.warps;
+        s.rank = k.rank;
+        s.doc_scale = k.doc_scale;
+        return stream_blocks<T>(s);
+      }
+    } else if (k.family == plan::Family::kStreamWg) {
+      if constexpr (kIs16Bit<T>) return stream_wg_blocks<T>(k.ks, k.rows);
+    }
+    return 0;  // no such kernel: the planner does not ask for it
+  });
 }
 
-void run_wgmma_any(at::ScalarType t, bool arg, const FwdParams& p, int64_t dim, int64_t item0, int64_t n,
-                   int num_sms, cudaStream_t st, bool scaled) {
-  if (scaled) {
-    if (t == at::kHalf)
-      run_wgmma_scaled<__half>(arg, p, dim, item0, n, num_sms, st);
-    else
-      run_wgmma_scaled<__nv_bfloat16>(arg, p, dim, item0, n, num_sms, st);
-    return;
-  }
-  if (t == at::kHalf)
-    run_wgmma<__half>(arg, p, dim, item0, n, num_sms, st);
-  else if (t == at::kChar)
-    run_wgmma<int8_t>(arg, p, dim, item0, n, num_sms, st);
-  else if (t == at::kFloat8_e4m3fn)
-    run_wgmma<__nv_fp8_e4m3>(arg, p, dim, item0, n, num_sms, st);
-  else
-    run_wgmma<__nv_bfloat16>(arg, p, dim, item0, n, num_sms, st);
-}
-
-int occupancy_mma_any(at::ScalarType t, int cfg, bool arg, size_t smem, bool scaled) {
-  if (scaled) {
-    if (t == at::kHalf) return occupancy_mma_scaled<__half>(cfg, arg, smem);
-    if (t == at::kBFloat16) return occupancy_mma_scaled<__nv_bfloat16>(cfg, arg, smem);
-    return occupancy_mma_scaled<float>(cfg, arg, smem);
-  }
-  if (t == at::kHalf) return occupancy_mma<__half>(cfg, arg, smem);
-  if (t == at::kBFloat16) return occupancy_mma<__nv_bfloat16>(cfg, arg, smem);
-  if (t == at::kChar) return occupancy_mma<int8_t>(cfg, arg, smem);
-  if (t == at::kFloat8_e4m3fn) return occupancy_mma<__nv_fp8_e4m3>(cfg, arg, smem);
-  return occupancy_mma<float>(cfg, arg, smem);
-}
-
-void run_stream_any(at::ScalarType t, const FwdParams& p, int64_t mean_ld, int num_sms, cudaStream_t st) {
-  if (t == at::kHalf)
-    run_stream<__half>(p, mean_ld, num_sms, st);
-  else if (t == at::kBFloat16)
-    run_stream<__nv_bfloat16>(p, mean_ld, num_sms, st);
-  else if (t == at::kChar)
-    run_stream<int8_t>(p, mean_ld, num_sms, st);
-  else
-    run_stream<__nv_fp8_e4m3>(p, mean_ld, num_sms, st);
-}
-
-// fp16 / bf16 only (stream_wg_ok).
-bool run_stream_wg_any(at::ScalarType t, const FwdParams& p, int nst, int64_t mean_ld, int num_sms, cudaStream_t st) {
-  if (t == at::kHalf) return run_stream_wg<__half>(p, nst, mean_ld, num_sms, st);
-  return run_stream_wg<__nv_bfloat16>(p, nst, mean_ld, num_sms, st);
-}
-
-void run_simt_any(at::ScalarType t, bool arg, const FwdParams& p, int64_t item0, int64_t n, cudaStream_t st) {
-  if (t == at::kHalf)
-    run_simt<__half>(arg, p, item0, n, st);
-  else if (t == at::kBFloat16)
-    run_simt<__nv_bfloat16>(arg, p, item0, n, st);
-  else
-    run_simt<float>(arg, p, item0, n, st);
-}
-
-int occupancy_simt_any(at::ScalarType t, bool arg) {
-  if (t == at::kHalf) return occupancy_simt_t<__half>(arg);
-  if (t == at::kBFloat16) return occupancy_simt_t<__nv_bfloat16>(arg);
-  return occupancy_simt_t<float>(arg);
-}
-
-// Tile configuration from the shape (see forward_mma.cuh for the shapes).
-// Measured on H100 (bf16, dim 128, goal shapes): config 0 is best for
-// lq <= 32 (memory bound); config 2 (4 warps, 64x32 warp tiles) beats the
-// 8-warp configs 3 / 4 on every compute-heavy goal shape, so it takes the
-// stacked-query CROSS case and lq > 64.
-// Plug-in point: a wgmma (sm_90a) path for large lq would be selected here.
-int choose_mma_cfg(int64_t layout, int64_t nq, int64_t lq) {
-  if (layout == kCross && nq > 1) {
-    // Stack several queries in one M tile so each doc tile feeds many queries.
-    if (lq <= 32 && nq * lq <= 32) return 0;
-    if (lq <= 64 && nq * lq <= 64) return 1;
-    if (lq <= 64) return 2;
-  }
-  if (lq <= 32) return 0;
-  if (lq <= 64) return 1;
-  return 2;
+void run_tiles(const plan::Plan& pl, const plan::Request& rq, const plan::DeviceFacts& dev, at::ScalarType t,
+               const FwdParams& p, int64_t item0, int64_t n, cudaStream_t st) {
+  with_token_type(t, [&](auto tag) {
+    using T = decltype(tag);
+    if (pl.family == plan::Family::kWgmma) {
+      if constexpr (std::is_same<T, float>::value) {
+        MAXSIM_CHECK(false, "maxsim: no wgmma kernel for float32 tokens");
+      } else {
+        const int flags = plan::wgmma_flags(pl, rq, dev, n);
+        if (pl.scaled) {
+          if constexpr (kIs16Bit<T>) run_wgmma_scaled<T>(pl.wgmma, rq.argmax, p, rq.dim, item0, n, flags, dev.sm_count, st);
+        } else {
+          run_wgmma<T>(pl.wgmma, rq.argmax, p, rq.dim, item0, n, flags, dev.sm_count, st);
+        }
+      }
+    } else if (pl.family == plan::Family::kMma) {
+      if constexpr (kIsQuant<T>) {
+        run_mma<T>(pl.cfg, rq.argmax, p, item0, n, (size_t)pl.smem, st);
+      } else if (pl.scaled) {
+        run_mma_scaled<T>(pl.cfg, rq.argmax, p, item0, n, (size_t)pl.smem, st);
+      } else {
+        run_mma<T>(pl.cfg, rq.argmax, p, item0, n, (size_t)pl.smem, st);
+      }
+    } else {
+      if constexpr (kIsQuant<T>)
+        MAXSIM_CHECK(false, "maxsim: no SIMT kernel for 8-bit tokens");
+      else
+        run_simt<T>(rq.argmax, p, item0, n, st);
+    }
+  });
 }
 
 void launch_finalize(bool arg, const FwdParams& p, cudaStream_t st) {
@@ -276,11 +187,6 @@ void check_index(const at::Tensor& t, const char* name) {
 }
 
 }  // namespace
-
-// Query rows each document token meets (one wgmma M tile holds kWgBM).
-inline int64_t query_rows_per_token(int64_t layout, int64_t Nq, int64_t lq) {
-  return layout == kCross ? Nq * lq : lq;
-}
 
 std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at::Tensor* q_scale,
                                                 const at::Tensor& q_start, const at::Tensor& q_len,
@@ -357,7 +263,6 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
 
   const bool arg = argmax_kind != 0;
   const int64_t dim = q.size(1);
-  const int64_t esz = q.element_size();
 
   FwdParams p{};
   set_segments(p, q, q_start, q_len, qm, d, d_start, d_len, dm);
@@ -389,190 +294,95 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
     return {scores, argmax};
   }
 
-  // ---- path selection ------------------------------------------------------
-  const auto* prop = at::cuda::getCurrentDeviceProperties();
-  // Register streaming: one query against many documents, and per-query
-  // candidate lists / pair lists of 16-bit tokens. Several queries share
-  // documents through the tile kernels' query tiles (CROSS). LIST streamed:
-  // 7-25 % faster than the tile kernels (session 15). GROUPED measured 3-9 %
-  // slower streamed than on the tile kernel with one warp per pair and the
-  // old lane layout; with whole-sector loads and split pairs it is 0-28 %
-  // faster at lq 32 on H100 (Rerank, the one exception, within 1.5 %; perf
-  // notes, session 11). Very long documents take the tile kernel's splits.
-  // On sm_90a the staged wgmma stream takes one query and candidates first
-  // (its launcher declines the shapes where this kernel is faster).
-  const int64_t mean_ld = Nd > 0 ? d.size(0) / Nd : 0;  // also sizes the doc splits below
-  const bool stream_layout = (layout == kCross && Nq == 1) || (layout != kCross && !quant);
-  if (((g_forced_cfg == -1 && stream_layout) || g_forced_cfg == -3) && prop->major >= 8 && mean_ld <= 4096 &&
-      stream_shape_ok(dtype, lq, arg, scaled, prop->major * 10 + prop->minor, p)) {
-    p.stream_split = g_stream_split;
-    p.stream_il = g_stream_il;
-    p.stream_qsm = g_stream_qsm;
-    p.stream_tail = g_stream_tail;
-    p.stream_keep = g_stream_keep;
-    // Guessed starts only where segment n's id is its position (CROSS and
-    // GROUPED; pair lists name their segments freely), so the kernel needs
-    // no layout test.
-    const bool by_position = layout == kCross || layout == kGrouped;
-    p.stream_extent = by_position && (g_stream_spec & 1) && Nd > 0 && d.size(0) % Nd == 0 ? d.size(0) / Nd : 0;
-    p.stream_qextent = by_position && (g_stream_spec & 2) && Nq > 0 && q.size(0) % Nq == 0 ? q.size(0) / Nq : 0;
-    if (g_stream_wg != 0 && stream_wg_ok(dtype, prop->major * 10 + prop->minor, p) &&
-        run_stream_wg_any(dtype, p, g_stream_wg, mean_ld, prop->multiProcessorCount, stream))
-      return {scores, argmax};
-    run_stream_any(dtype, p, mean_ld, prop->multiProcessorCount, stream);
+  plan::Request rq;
+  rq.layout = (int)layout;
+  rq.Nq = Nq;
+  rq.Nd = Nd;
+  rq.Tq = q.size(0);
+  rq.Td = d.size(0);
+  rq.P = P;
+  rq.lq = lq;
+  rq.dim = dim;
+  rq.dtype = plan_dtype(dtype);
+  rq.quant = quant;
+  rq.uniform_doc_scales = uniform_doc_scales;
+  rq.argmax = arg;
+  rq.tf32 = tf32;
+  rq.normalize = normalize;
+  rq.ptr_align = ptr_align(p.q, p.d);
+  rq.d_scale_aligned = quant && reinterpret_cast<uintptr_t>(p.d_scale) % 16 == 0;
+  const plan::DeviceFacts dev = cuda_device_facts();
+  const plan::Plan pl = plan::plan_forward(rq, dev);
+  TORCH_CHECK(pl.ok, pl.error);
+
+  if (pl.family == plan::Family::kStream || pl.family == plan::Family::kStreamWg) {
+    set_stream_plan(p, pl);
+    with_token_type(dtype, [&](auto tag) {
+      using T = decltype(tag);
+      if constexpr (std::is_same<T, float>::value) {
+        MAXSIM_CHECK(false, "maxsim: no streaming kernel for float32 tokens");
+      } else if (pl.family == plan::Family::kStreamWg) {
+        if constexpr (kIs16Bit<T>) run_stream_wg<T>(pl.stream_wg, p, stream);
+      } else {
+        run_stream<T>(pl.stream, p, stream);
+      }
+    });
     return {scores, argmax};
   }
-  // Queries of 33-128 rows, one query or candidates: the staged wgmma stream
-  // before the tile kernels (its launcher's rule, forward_stream_wg.cu).
-  if (g_stream_wg_long != 0 && g_forced_cfg == -1 && stream_layout && lq > 32 && mean_ld <= 4096 &&
-      stream_shape_ok(dtype, lq, arg, scaled, prop->major * 10 + prop->minor, p, 128) &&
-      stream_wg_ok(dtype, prop->major * 10 + prop->minor, p)) {
-    p.stream_keep = g_stream_keep;
-    if (run_stream_wg_any(dtype, p, g_stream_wg_long, mean_ld, prop->multiProcessorCount, stream))
-      return {scores, argmax};
-  }
-  const size_t smem_optin = prop->sharedMemPerBlockOptin;
-  const int num_sms = prop->multiProcessorCount;
 
-  bool use_mma = (dtype != at::kFloat) || tf32;
-  int vecb = 0;
-  for (int v : {16, 8, 4}) {
-    if (p.row_bytes % v == 0 && reinterpret_cast<uintptr_t>(p.q) % v == 0 &&
-        reinterpret_cast<uintptr_t>(p.d) % v == 0) {
-      vecb = v;
-      break;
-    }
-  }
-  if (vecb == 0) use_mma = false;
-  TORCH_CHECK(!quant || vecb > 0, "maxsim: quantized token rows must be 4-byte aligned");
-  const int kcb = mma_kchunk(quant);
-  const int kch = (int)std::max<int64_t>(1, (p.row_bytes + kcb - 1) / kcb);
-  int cfg = -1;
-  size_t smem = 0;
-  if (use_mma) {
-    cfg = g_forced_cfg >= 0 ? g_forced_cfg % kNumMmaCfgs : choose_mma_cfg(layout, Nq, lq);
-    // Fall back to narrower query tiles when the resident tile does not fit.
-    while (true) {
-      smem = mma_smem_bytes(cfg, kch, quant);
-      if (smem + mma_static_smem(cfg, quant) <= smem_optin) break;
-      if (mma_cfg_info(cfg).bm == 128)  // 128-row tiles -> 64 -> 32
-        cfg = 1;
-      else if (cfg == 1)
-        cfg = 0;
-      else {
-        cfg = -1;
-        break;
-      }
-    }
-    if (cfg < 0) use_mma = false;
-  }
-  if (g_forced_cfg == -2 && !quant) use_mma = false;
-  MAXSIM_CHECK(use_mma || !quant, "maxsim: quantized query tile of dim %lld does not fit in shared memory",
-               (long long)dim);
-  // sm_90a wgmma + TMA kernel when its 128-row M tile is (nearly) full.
-  const int64_t wg_rows = std::min<int64_t>(query_rows_per_token(layout, Nq, lq), kWgBM);
-  const bool use_wg = use_mma && dtype != at::kFloat && g_forced_cfg < 0 && prop->major == 9 &&
-                      (wg_rows >= kWgBM || g_forced_cfg == -4) && wgmma_shape_ok(p, dim, esz) &&
-                      wgmma_ready_any(dtype, dim, arg, scaled);
-
-  const int bm = use_wg ? kWgBM : use_mma ? mma_cfg_info(cfg).bm : kSimtBM;
-  const int bn = use_wg ? kWgBN : use_mma ? mma_cfg_info(cfg).bn : kSimtBN;
-  if (lq <= bm) {
-    p.qpt = layout == kCross ? (int)std::max<int64_t>(1, std::min<int64_t>(bm / lq, Nq)) : 1;
-    p.tpq = 1;
-  } else {
-    p.qpt = 1;
-    p.tpq = (int)((lq + bm - 1) / bm);
-  }
-  p.mt_total = layout == kCross ? ((Nq + p.qpt - 1) / p.qpt) * p.tpq : p.tpq;
-  p.kch = kch;
-  p.ksteps_last = (int)((p.row_bytes - (int64_t)(kch - 1) * kcb + 31) / 32);
-  p.row_bytes_pad = (p.row_bytes + 31) / 32 * 32;
-  p.vecb = vecb;
-  const int64_t U = layout == kList ? P : Nd;
-  const int64_t items_base = U * p.mt_total;
-
-  // ---- doc splits for parallelism (few work items, long docs) ---------------
-  const int occ = use_wg ? 1 : std::max(1, use_mma ? occupancy_mma_any(dtype, cfg, arg, smem, scaled) : occupancy_simt_any(dtype, arg));
-  const int64_t slots = (int64_t)occ * num_sms;
-  int S = 1;
-  if (g_forced_splits > 0) {
-    S = g_forced_splits;
-  } else if (items_base < slots) {
-    const int64_t by_len = mean_ld / (2 * bn);  // keep >= 2 tiles per chunk
-    const int64_t want = (2 * slots + items_base - 1) / items_base;
-    S = (int)std::max<int64_t>(1, std::min<int64_t>({want, by_len, 1024}));
-  }
-  p.S = S;
-  p.row_mode = S > 1 ? 2 : (p.tpq > 1 ? 1 : 0);
-
-  // ---- several docs per CTA (MMA kernel, no doc split) -----------------------
-  // Many short docs: a CTA walks up to dpc consecutive docs of one group (same
-  // query tile), so the query tile is loaded once and the cp.async ring keeps
-  // streaming across doc boundaries instead of filling and draining per doc.
-  // Sized so the grid is about one wave of resident CTAs, when the plain grid
-  // would be 2 to 12 waves: H100 bf16 lq 32 measured 1000 x Ld 300: 0.0376 ->
-  // 0.0340 ms, 4000 x Ld 64: 0.053 -> 0.032, 1600 x Ld 180: 0.039 -> 0.034;
-  // at 10000 x Ld 300 (25 waves) the fill / drain per CTA is already hidden
-  // and one wave was 2% slower, so many waves keep one doc per CTA.
-  p.dpc = 1;
-  p.gsz = 1;
-  p.cpg = 1;
-  int64_t total_items = items_base * S;
-  if (use_mma && !use_wg && S == 1 && layout != kList && Nd > 0) {
-    int64_t dpc = 1;
-    if (g_forced_dpc > 0)
-      dpc = g_forced_dpc;
-    else if (items_base >= 2 * slots && items_base <= 12 * slots)
-      dpc = (items_base + slots - 1) / slots;
-    else if (quant && items_base <= 32 * slots)
-      dpc = (items_base + slots - 1) / slots;  // 8-bit, up to 32 waves: one wave (10k docs: 0.186 -> 0.168 ms)
-    else if (quant)
-      dpc = 8;  // 8-bit docs are half the bytes: amortise the per-CTA fill / drain over 8 docs
-    dpc = std::min<int64_t>(dpc, kMmaMaxDpc);
-    if (dpc > 1) {
-      const int64_t gsz = layout == kCross ? Nd : p.K;
-      p.dpc = (int)dpc;
-      p.gsz = gsz;
-      p.cpg = (gsz + dpc - 1) / dpc;
-      total_items = p.mt_total * ((Nd + gsz - 1) / gsz) * p.cpg;
-    }
-  }
+  p.qpt = pl.qpt;
+  p.tpq = pl.tpq;
+  p.mt_total = pl.mt_total;
+  p.kch = pl.kch;
+  p.ksteps_last = pl.ksteps_last;
+  p.row_bytes_pad = pl.row_bytes_pad;
+  p.vecb = pl.vecb;
+  p.S = pl.splits;
+  p.row_mode = pl.row_mode;
+  p.dpc = pl.dpc;
+  p.gsz = pl.gsz;
+  p.cpg = pl.cpg;
 
   at::Tensor ws_best, ws_idx;
   if (p.row_mode == 1) {
     ws_best = at::empty({(int64_t)p.tpq * P}, fopts);
     p.ws_best = ws_best.data_ptr<float>();
   } else if (p.row_mode == 2) {
-    ws_best = at::empty({(int64_t)S * P * lq}, fopts);
+    ws_best = at::empty({(int64_t)p.S * P * lq}, fopts);
     p.ws_best = ws_best.data_ptr<float>();
     if (arg) {
-      ws_idx = at::empty({(int64_t)S * P * lq}, q.options().dtype(at::kInt));
+      ws_idx = at::empty({(int64_t)p.S * P * lq}, q.options().dtype(at::kInt));
       p.ws_idx = ws_idx.data_ptr<int>();
     }
   }
 
-  if (scaled && (!use_mma || use_wg)) {  // the mma.sync kernel derives its own
+  if (pl.d_inv_prepass) {
     d_inv = cuda_norm::inv_norms(d);
     p.d_scale = d_inv.data_ptr<float>();
   }
 
   // ---- launch (grid.x only, in chunks below the 2^31-1 limit) ---------------
   constexpr int64_t kMaxGrid = (int64_t)1 << 30;
-  for (int64_t item0 = 0; item0 < total_items; item0 += kMaxGrid) {
-    const int64_t n = std::min(kMaxGrid, total_items - item0);
-    if (use_wg)
-      run_wgmma_any(dtype, arg, p, dim, item0, n, num_sms, stream, scaled);
-    else if (use_mma)
-      run_mma_any(dtype, cfg, arg, p, item0, n, smem, stream, scaled);
-    else
-      run_simt_any(dtype, arg, p, item0, n, stream);
-  }
+  for (int64_t item0 = 0; item0 < pl.items; item0 += kMaxGrid)
+    run_tiles(pl, rq, dev, dtype, p, item0, std::min(kMaxGrid, pl.items - item0), stream);
   if (p.row_mode) launch_finalize(arg, p, stream);
   return {scores, argmax};
 }
 
 }  // namespace cuda_fwd
+
+plan::DeviceFacts cuda_device_facts() {
+  using namespace cuda_fwd;
+  const auto* prop = at::cuda::getCurrentDeviceProperties();
+  plan::DeviceFacts f;
+  f.arch = prop->major * 10 + prop->minor;
+  f.sm_count = prop->multiProcessorCount;
+  f.smem_optin = (int64_t)prop->sharedMemPerBlockOptin;
+  f.l2_bytes = prop->l2CacheSize;
+  f.wgmma_built = f.arch == 90 && wgmma_built();
+  f.blocks_per_sm = &blocks_per_sm;
+  return f;
+}
 
 std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q, const at::Tensor& q_start,
                                                 const at::Tensor& q_len, const std::optional<at::Tensor>& q_mask,

@@ -6,10 +6,14 @@
 
 namespace maxsim {
 namespace cuda_fwd {
-#define MAXSIM_STREAM_INSTANCE(T) \
-  template <>                     \
-  void run_stream<T>(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st) { \
-    run_stream_impl<T>(p, mean_ld, num_sms, st);                                  \
+#define MAXSIM_STREAM_INSTANCE(T)                                                        \
+  template <>                                                                          \
+  void run_stream<T>(const plan::StreamPlan& s, const FwdParams& p, cudaStream_t st) { \
+    launch_stream<T>(s, p, st);                                                        \
+  }                                                                                    \
+  template <>                                                                          \
+  int stream_blocks<T>(const plan::StreamPlan& s) {                                    \
+    return stream_kernel_blocks<T>(s);                                                 \
   }
 MAXSIM_STREAM_INSTANCE(__half)
 MAXSIM_STREAM_INSTANCE(__nv_bfloat16)

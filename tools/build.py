@@ -136,6 +136,17 @@ def cuda_archs() -> list[str]:
     return ["8.0", "9.0a"]
 
 
+def section_archs(kernel: dict, archs: list[str]) -> list[str]:
+    """The archs a CUDA section compiles for: a section of arch-specific
+    capabilities only (sm_90a) takes the requested ones among them, or its
+    own list when none is requested (its host code links either way); the
+    other sections take the requested archs."""
+    caps = kernel.get("cuda-capabilities", [])
+    if not caps or not all(c.endswith("a") for c in caps):
+        return archs
+    return [a for a in archs if a in caps] or caps
+
+
 def gencode(archs: list[str]) -> list[str]:
     flags = []
     for a in archs:
@@ -249,7 +260,8 @@ def check_cuda_compile(archs: list[str]) -> None:
     cutlass = os.environ.get("CUTLASS_INCLUDE")
     if cutlass:
         inc.append(f"-I{cutlass}")
-    cus = [ROOT / s for k in cfg.get("kernel", {}).values() if k["backend"] == "cuda" for s in k["src"] if s.endswith(".cu")]
+    jobs = [(a, ROOT / s) for k in cfg.get("kernel", {}).values() if k["backend"] == "cuda"
+            for a in section_archs(k, archs) for s in k["src"] if s.endswith(".cu")]
 
     def compile_one(job):
         arch, cu = job
@@ -262,7 +274,7 @@ def check_cuda_compile(archs: list[str]) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-        results = list(pool.map(compile_one, [(a, cu) for a in archs for cu in cus]))
+        results = list(pool.map(compile_one, jobs))
     failed = [(cu, arch, r) for cu, arch, r in results if r.returncode]
     for cu, arch, r in failed:
         sys.stderr.write(r.stdout + r.stderr)

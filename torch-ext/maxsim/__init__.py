@@ -7,6 +7,7 @@ materialising the similarity grid, for inference and training. Load with
 
 from . import distributed, integrations, layers, reference
 from ._registry import FALLBACKS, ops
+from .plan import explain
 from .reference import maxsim_reference
 from .retrieval import Corpus, quantize_tokens, search
 from .scoring import (
@@ -26,6 +27,7 @@ __all__ = [
     "Corpus",
     "FALLBACKS",
     "distributed",
+    "explain",
     "integrations",
     "layers",
     "maxsim",
