@@ -82,19 +82,20 @@ def build_toml() -> dict:
 
 
 def sources(cfg: dict, backend: str) -> list[Path]:
-    srcs = [ROOT / s for s in cfg["torch"]["src"] if s.endswith((".cpp", ".cu", ".mm"))]
-    for kernel in cfg.get("kernel", {}).values():
-        # The CUDA variant also carries the CPU kernels, so CPU tensors keep a
-        # compiled path in a GPU install.
-        if kernel["backend"] == backend or (backend in ("cuda", "metal") and kernel["backend"] == "cpu"):
-            srcs += [ROOT / s for s in kernel["src"] if s.endswith((".cpp", ".cu", ".mm"))]
-    return srcs
+    return [f for f in all_files(cfg, backend) if f.suffix in (".cpp", ".cu", ".mm")]
+
+
+def carries_cpu_kernels(backend: str) -> bool:
+    """The CPU kernels come with the CPU variant and the local Metal one; the
+    CUDA variant has what a kernel-builder CUDA build has (CPU tensors take
+    the reference fallback there)."""
+    return backend in ("cpu", "metal")
 
 
 def all_files(cfg: dict, backend: str) -> list[Path]:
     files = [ROOT / s for s in cfg["torch"]["src"]]
     for kernel in cfg.get("kernel", {}).values():
-        if kernel["backend"] == backend or (backend in ("cuda", "metal") and kernel["backend"] == "cpu"):
+        if kernel["backend"] == backend or (kernel["backend"] == "cpu" and carries_cpu_kernels(backend)):
             files += [ROOT / s for s in kernel["src"]]
     return files
 
@@ -183,7 +184,7 @@ def build(backend: str, out: Path, verbose: bool) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
 
     include = [str(gen), str(ROOT / "torch-ext")] + sorted({str(f.parent) for f in files})
-    cflags = ["-O3", "-std=c++17", "-DCPU_KERNEL", "-fopenmp"]
+    cflags = ["-O3", "-std=c++17", "-fopenmp"] + (["-DCPU_KERNEL"] if carries_cpu_kernels(backend) else [])
     if os.environ.get("MAXSIM_NATIVE", "1") != "0":
         cflags.append("-march=native")
     cuda_flags = []

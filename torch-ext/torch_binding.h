@@ -156,8 +156,9 @@ std::string plan_forward(int64_t layout, int64_t nq, int64_t nd, int64_t tq, int
                          std::string force);
 
 // kernel-builder defines one of CPU_KERNEL / CUDA_KERNEL / METAL_KERNEL per
-// build variant; the local builder (tools/build.py) also defines CPU_KERNEL
-// in the CUDA variant so CPU tensors keep a compiled path there.
+// build variant, and so does the local builder (tools/build.py) for the CPU
+// and CUDA variants: CPU tensors on the CUDA variant take the reference
+// fallback (maxsim/_registry.py).
 #if defined(CPU_KERNEL)
 ForwardFn forward_cpu;
 ForwardQuantFn forward_quant_cpu;
