@@ -20,7 +20,7 @@
 //   * kMma: the mma.sync tile kernel, one of kMmaConfigs by lq / layout;
 //   * kSimt: exact fp32, and whatever the tensor cores cannot take.
 // A new kernel family: add it to Family, give it a rule below (and a
-// KernelId for its occupancy), and an executor in maxsim-cuda/forward.cu.
+// KernelId for its occupancy), and an executor in maxsim-cuda/forward/forward.cu.
 #pragma once
 
 #include <algorithm>

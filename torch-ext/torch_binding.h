@@ -178,7 +178,7 @@ DecodeKeysFn decode_keys_cuda;
 RescoreTopkFn rescore_topk_cuda;
 BackwardFn backward_cuda;
 SegmentsFn segments_cuda;
-// The planner's facts of the current CUDA device (maxsim-cuda/forward.cu).
+// The planner's facts of the current CUDA device (maxsim-cuda/forward/forward.cu).
 plan::DeviceFacts cuda_device_facts();
 #endif
 #if defined(METAL_KERNEL)

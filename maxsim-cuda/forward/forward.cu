@@ -28,10 +28,10 @@
 #include "forward_mma.cuh"
 #include "forward_simt.cuh"
 #include "forward_stream.cuh"
-#include "forward_stream_wg.cuh"
-#include "forward_wgmma.cuh"
-#include "fwd_params.h"
-#include "normalize_rows.cuh"
+#include "../forward_sm90a/forward_stream_wg.cuh"
+#include "../forward_sm90a/forward_wgmma.cuh"
+#include "../common/fwd_params.h"
+#include "../common/normalize_rows.cuh"
 #include "torch_binding.h"
 
 namespace maxsim {

@@ -31,8 +31,8 @@
 #include <algorithm>
 
 #include "backward_kernels.cuh"
-#include "normalize_rows.cuh"
-#include "smem_opt_in.h"
+#include "../common/normalize_rows.cuh"
+#include "../common/smem_opt_in.h"
 #include "torch_binding.h"
 
 namespace maxsim {

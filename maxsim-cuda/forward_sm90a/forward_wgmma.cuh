@@ -70,7 +70,7 @@
 #include <algorithm>
 #include <type_traits>
 
-#include "common.cuh"
+#include "../common/common.cuh"
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define MAXSIM_WG_DEVICE 1

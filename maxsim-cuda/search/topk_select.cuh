@@ -28,7 +28,7 @@
 
 #include <cstdint>
 
-#include "common.cuh"  // cp.async wrappers, pdl_enter
+#include "../common/common.cuh"  // cp.async wrappers, pdl_enter
 #include "search_keys.h"
 
 namespace maxsim {

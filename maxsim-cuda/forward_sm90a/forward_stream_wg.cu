@@ -3,7 +3,7 @@
 #include <ATen/cuda/CUDAContext.h>
 
 #include "forward_stream_wg.cuh"
-#include "smem_opt_in.h"
+#include "../common/smem_opt_in.h"
 
 namespace maxsim {
 namespace cuda_fwd {

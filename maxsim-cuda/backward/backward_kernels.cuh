@@ -46,8 +46,8 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "convert.cuh"
-#include "pdl.cuh"
+#include "../common/convert.cuh"
+#include "../common/pdl.cuh"
 
 namespace maxsim {
 namespace cuda_bwd {

@@ -26,8 +26,8 @@
 
 #include <c10/cuda/CUDAException.h>
 
-#include "common.cuh"
-#include "smem_opt_in.h"
+#include "../common/common.cuh"
+#include "../common/smem_opt_in.h"
 
 namespace maxsim {
 namespace cuda_fwd {

@@ -7,7 +7,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
-#include "pdl.cuh"
+#include "../common/pdl.cuh"
 #include "torch_binding.h"
 
 namespace maxsim {

@@ -43,7 +43,7 @@
 #include <map>
 #include <mutex>
 
-#include "common.cuh"
+#include "../common/common.cuh"
 
 namespace maxsim {
 namespace cuda_fwd {

@@ -13,8 +13,8 @@
 
 #include <c10/cuda/CUDAException.h>
 
-#include "common.cuh"
-#include "convert.cuh"
+#include "../common/common.cuh"
+#include "../common/convert.cuh"
 
 namespace maxsim {
 namespace cuda_fwd {

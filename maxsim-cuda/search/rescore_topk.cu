@@ -10,8 +10,8 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
-#include "forward_stream.cuh"
-#include "fwd_params.h"
+#include "../forward/forward_stream.cuh"
+#include "../common/fwd_params.h"
 #include "rescore_compose.h"
 #include "torch_binding.h"
 

@@ -16,10 +16,10 @@
 // No argmax, no normalize, no 8-bit tokens.
 #pragma once
 
-#include "common.cuh"
-#include "forward_stream.cuh"
+#include "../common/common.cuh"
+#include "../forward/forward_stream.cuh"
 #include "forward_wgmma.cuh"
-#include "pdl.cuh"
+#include "../common/pdl.cuh"
 
 namespace maxsim {
 namespace cuda_fwd {

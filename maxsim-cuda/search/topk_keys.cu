@@ -12,7 +12,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "search_keys.h"
-#include "smem_opt_in.h"
+#include "../common/smem_opt_in.h"
 #include "topk_select.cuh"
 #include "torch_binding.h"
 
