@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (CUDA, sm_90+; maxsim-cuda/pdl.cuh): every
+"""Programmatic dependent launch (CUDA, sm_90+; maxsim-cuda/common/pdl.cuh): every
 kernel starts while the previous one in the stream finishes and waits for it
 before touching memory. These tests chain the ops so that each consumes the
 previous kernel's output at once and the allocator recycles freed inputs

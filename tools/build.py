@@ -88,19 +88,20 @@ def build_toml() -> dict:
 
 
 def sources(cfg: dict, backend: str) -> list[Path]:
-    srcs = [ROOT / s for s in cfg["torch"]["src"] if s.endswith((".cpp", ".cu", ".mm"))]
-    for kernel in cfg.get("kernel", {}).values():
-        # The CUDA variant also carries the CPU kernels, so CPU tensors keep a
-        # compiled path in a GPU install.
-        if kernel["backend"] == backend or (backend in ("cuda", "metal") and kernel["backend"] == "cpu"):
-            srcs += [ROOT / s for s in kernel["src"] if s.endswith((".cpp", ".cu", ".mm"))]
-    return srcs
+    return [f for f in all_files(cfg, backend) if f.suffix in (".cpp", ".cu", ".mm")]
+
+
+def carries_cpu_kernels(backend: str) -> bool:
+    """The CPU kernels come with the CPU variant and the local Metal one; the
+    CUDA variant has what a kernel-builder CUDA build has (CPU tensors take
+    the reference fallback there)."""
+    return backend in ("cpu", "metal")
 
 
 def all_files(cfg: dict, backend: str) -> list[Path]:
     files = [ROOT / s for s in cfg["torch"]["src"]]
     for kernel in cfg.get("kernel", {}).values():
-        if kernel["backend"] == backend or (backend in ("cuda", "metal") and kernel["backend"] == "cpu"):
+        if kernel["backend"] == backend or (kernel["backend"] == "cpu" and carries_cpu_kernels(backend)):
             files += [ROOT / s for s in kernel["src"]]
     return files
 
@@ -175,6 +176,17 @@ def cuda_archs() -> list[str]:
     return ["8.0", "9.0a"]
 
 
+def section_archs(kernel: dict, archs: list[str]) -> list[str]:
+    """The archs a CUDA section compiles for: a section of arch-specific
+    capabilities only (sm_90a) takes the requested ones among them, or its
+    own list when none is requested (its host code links either way); the
+    other sections take the requested archs."""
+    caps = kernel.get("cuda-capabilities", [])
+    if not caps or not all(c.endswith("a") for c in caps):
+        return archs
+    return [a for a in archs if a in caps] or caps
+
+
 def gencode(archs: list[str]) -> list[str]:
     flags = []
     for a in archs:
@@ -219,7 +231,7 @@ def build(backend: str, out: Path, verbose: bool, digest_in: str) -> Path:
     gen = generated_headers(cache)
 
     include = [str(gen), str(ROOT / "torch-ext")] + sorted({str(f.parent) for f in files})
-    cflags = ["-O3", "-std=c++17", "-DCPU_KERNEL", "-fopenmp"]
+    cflags = ["-O3", "-std=c++17", "-fopenmp"] + (["-DCPU_KERNEL"] if carries_cpu_kernels(backend) else [])
     if os.environ.get("MAXSIM_NATIVE", "0") == "1":
         # Opt-in only: an artifact tuned for this CPU crashes on older ones.
         cflags.append("-march=native")
@@ -300,7 +312,8 @@ def check_cuda_compile(archs: list[str]) -> None:
     cutlass = os.environ.get("CUTLASS_INCLUDE")
     if cutlass:
         inc.append(f"-I{cutlass}")
-    cus = [ROOT / s for k in cfg.get("kernel", {}).values() if k["backend"] == "cuda" for s in k["src"] if s.endswith(".cu")]
+    jobs = [(a, ROOT / s) for k in cfg.get("kernel", {}).values() if k["backend"] == "cuda"
+            for a in section_archs(k, archs) for s in k["src"] if s.endswith(".cu")]
 
     def compile_one(job):
         arch, cu = job
@@ -313,7 +326,7 @@ def check_cuda_compile(archs: list[str]) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-        results = list(pool.map(compile_one, [(a, cu) for a in archs for cu in cus]))
+        results = list(pool.map(compile_one, jobs))
     failed = [(cu, arch, r) for cu, arch, r in results if r.returncode]
     for cu, arch, r in failed:
         sys.stderr.write(r.stdout + r.stderr)

@@ -1,9 +1,8 @@
 // TORCH_CHECK with a printf-formatted message. Messages streamed with
-// c10::str (std::ostringstream instantiated in this library) segfaulted
-// when thrown on one tested image (torch 2.11.0+cu130 wheel, g++ 13.3;
-// docs/perf-notes.md, session 14), while literal and snprintf-built ones
-// raised: every formatted message of the CPU and CUDA backends goes through
-// this macro.
+// c10::str (std::ostringstream instantiated in this library) can segfault
+// when thrown (seen with a torch 2.11 + g++ 13 build), while literal and
+// snprintf-built ones raise: every formatted message of the CPU and CUDA
+// backends goes through this macro.
 #pragma once
 
 #include <c10/util/Exception.h>

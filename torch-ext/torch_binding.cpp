@@ -36,6 +36,13 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
       "Tensor? q_pairs, Tensor? d_ptr, Tensor? d_pairs, bool need_dq, "
       "bool need_dd, bool normalize=False) -> (Tensor dq, Tensor dd)");
   ops.def("segments(Tensor[] offsets, int[] totals, int[] max_lens, Tensor[] ints, int[] lo, int[] hi) -> Tensor[]");
+  // The CUDA forward's plan for a call's shape facts (forward_plan.h): no
+  // tensors, one implementation for every backend.
+  ops.def(
+      "plan_forward(int layout, int nq, int nd, int tq, int td, int pairs, int lq, int dim, ScalarType dtype, "
+      "bool quant, bool uniform_doc_scales, bool argmax, bool tf32, bool normalize, int ptr_align, int arch, "
+      "int sm_count, str force) -> str",
+      &maxsim::plan_forward);
 #if defined(CPU_KERNEL)
   ops.impl("forward", torch::kCPU, &maxsim::forward_cpu);
   ops.impl("forward_train", torch::kCPU, &maxsim::forward_cpu);

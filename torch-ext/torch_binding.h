@@ -36,6 +36,7 @@
 #pragma once
 
 #include "check.h"
+#include "forward_plan.h"
 #include <torch/torch.h>
 
 #include <tuple>
@@ -44,6 +45,22 @@ namespace maxsim {
 
 enum Layout : int64_t { kCross = 0, kGrouped = 1, kList = 2 };
 enum ArgmaxKind : int64_t { kNoArgmax = 0, kArgmaxI32 = 1, kArgmaxI16 = 2 };
+
+// The forward planner's token types (forward_plan.h); float32 for any other.
+inline plan::Dtype plan_dtype(at::ScalarType t) {
+  return t == at::kHalf             ? plan::Dtype::kF16
+         : t == at::kBFloat16       ? plan::Dtype::kBF16
+         : t == at::kChar           ? plan::Dtype::kI8
+         : t == at::kFloat8_e4m3fn  ? plan::Dtype::kE4M3
+                                    : plan::Dtype::kF32;
+}
+inline at::ScalarType scalar_type(plan::Dtype t) {
+  return t == plan::Dtype::kF16    ? at::kHalf
+         : t == plan::Dtype::kBF16 ? at::kBFloat16
+         : t == plan::Dtype::kI8   ? at::kChar
+         : t == plan::Dtype::kE4M3 ? at::kFloat8_e4m3fn
+                                   : at::kFloat;
+}
 
 // Returns (scores [P] fp32, argmax).
 using ForwardFn = std::tuple<at::Tensor, at::Tensor>(
@@ -130,9 +147,18 @@ using BackwardFn = std::tuple<at::Tensor, at::Tensor>(
 using SegmentsFn = std::vector<at::Tensor>(at::TensorList offsets, at::IntArrayRef totals, at::IntArrayRef max_lens,
                                            at::TensorList ints, at::IntArrayRef lo, at::IntArrayRef hi);
 
+// The CUDA forward's plan (forward_plan.cpp), as "key=value" words. arch -1:
+// the current CUDA device; else a model of sm_<arch> with sm_count SMs (<= 0:
+// the model's). force: "" or a family name (plan::family_name).
+std::string plan_forward(int64_t layout, int64_t nq, int64_t nd, int64_t tq, int64_t td, int64_t pairs, int64_t lq,
+                         int64_t dim, at::ScalarType dtype, bool quant, bool uniform_doc_scales, bool argmax,
+                         bool tf32, bool normalize, int64_t ptr_align, int64_t arch, int64_t sm_count,
+                         std::string force);
+
 // kernel-builder defines one of CPU_KERNEL / CUDA_KERNEL / METAL_KERNEL per
-// build variant; the local builder (tools/build.py) also defines CPU_KERNEL
-// in the CUDA variant so CPU tensors keep a compiled path there.
+// build variant, and so does the local builder (tools/build.py) for the CPU
+// and CUDA variants: CPU tensors on the CUDA variant take the reference
+// fallback (maxsim/_registry.py).
 #if defined(CPU_KERNEL)
 ForwardFn forward_cpu;
 ForwardQuantFn forward_quant_cpu;
@@ -152,6 +178,8 @@ DecodeKeysFn decode_keys_cuda;
 RescoreTopkFn rescore_topk_cuda;
 BackwardFn backward_cuda;
 SegmentsFn segments_cuda;
+// The planner's facts of the current CUDA device (maxsim-cuda/forward/forward.cu).
+plan::DeviceFacts cuda_device_facts();
 #endif
 #if defined(METAL_KERNEL)
 ForwardFn forward_mps;

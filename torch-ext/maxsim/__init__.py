@@ -18,6 +18,7 @@ from .reference import (
     score_pairs_packed_with_argmax_reference,
 )
 from .corpus import Corpus
+from .plan import explain
 from .quantization import quantize_tokens
 from .retrieval import search
 from .scoring import (
@@ -40,6 +41,7 @@ __all__ = [
     "InputError",
     "checks",
     "distributed",
+    "explain",
     "integrations",
     "keys",
     "layers",

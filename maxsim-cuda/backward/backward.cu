@@ -31,8 +31,8 @@
 #include <algorithm>
 
 #include "backward_kernels.cuh"
-#include "normalize_rows.cuh"
-#include "smem_opt_in.h"
+#include "../common/normalize_rows.cuh"
+#include "../common/smem_opt_in.h"
 #include "torch_binding.h"
 
 namespace maxsim {
@@ -176,10 +176,8 @@ void launch(BwdParams& p, bool do_dq, bool do_dd, int NG, cudaStream_t st) {
   if (do_dd) plan_dd(p, prop, occ_dd, NG, smem_dd, n_dd);
   // Both: one launch of the fused kernel (dd CTAs first, then dq). The two
   // write disjoint outputs, so they share the GPU instead of each leaving
-  // part of it idle, without a stream fork / join on the host; measured
-  // against dq on a side stream beside dd (H100, graph ms): train-128 0.2009
-  // -> 0.196, 256 x 256 queries x documents 0.614 -> 0.606, 8 x 8 0.0264
-  // -> 0.0238, Contrastive 0.0330 -> 0.0311, no shape slower.
+  // part of it idle, without a stream fork / join on the host (faster than
+  // dq on a side stream beside dd on every training shape).
   if (n_dq > 0 && n_dd > 0 && n_dq + n_dd <= kMaxGrid) {
     const size_t smem = std::max(smem_dq, smem_dd);
     set_dqdd_smem<T, A, VEC, O>(smem);

@@ -5,9 +5,9 @@
 // k32 for 8-bit types, so fragments, swizzle and descriptors are unchanged.
 // fp8 e4m3 tokens of <= 128 bytes run it too (k32 steps, f32 accumulators),
 // with one caveat: Hopper's fp8 wgmma adds the products of a chain in a
-// reduced-precision accumulator (H100: 4.5e-5 largest relative score error
-// against the dequantised fp64 reference, where the other paths are within
-// ~1e-7; the e4m3 rounding of the tokens themselves is ~1e-2). A chain spans
+// reduced-precision accumulator (relative score errors of ~1e-5 against the
+// dequantised fp64 reference, where the other paths are within ~1e-7; the
+// e4m3 rounding of the tokens themselves is ~1e-2). A chain spans
 // at most 128 products (the interval after which fp8 GEMM libraries promote
 // partial sums to fp32); wider fp8 rows, and argmax (whose winners could
 // swap on near-ties), stay on the exact mma.sync kernel.
@@ -18,8 +18,8 @@
 // caller promises one scale per document (forward_quant's
 // uniform_doc_scales; fp8 corpora are stored that way, int8 ones on request),
 // the kernel takes kScDoc: the document's scale commutes with the max and
-// joins the query's in the finisher, and the fold is the max alone (H100
-// colpali-10k: the per-product scale step cost ~1.4 of ~3.9 ms); for int8
+// joins the query's in the finisher, and the fold is the max alone (the
+// per-product scale step is a third of a long scan's time); for int8
 // the max of the raw s32 products, as integers.
 //
 // Persistent kernel, one CTA per SM (384 threads), each CTA walking the same
@@ -70,7 +70,7 @@
 #include <algorithm>
 #include <type_traits>
 
-#include "common.cuh"
+#include "../common/common.cuh"
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define MAXSIM_WG_DEVICE 1
@@ -81,8 +81,8 @@
 namespace maxsim {
 namespace cuda_fwd {
 
-constexpr int kWgBM = 128;       // query rows per work item (2 consumer warpgroups x 64)
-constexpr int kWgBN = 128;       // doc tokens per pipeline stage
+using plan::kWgBM;  // query rows per work item (2 consumer warpgroups x 64)
+using plan::kWgBN;  // doc tokens per pipeline stage
 constexpr int kWgThreads = 384;  // 2 consumer warpgroups + producer / loader / finisher warpgroup
 constexpr int kWgMaxDim = 128;
 
@@ -95,7 +95,7 @@ constexpr int kWgScaleStride = 160;  // floats per stage (640 B)
 // NKB: 64-element (128-byte) column blocks of dim (1 or 2).
 template <int NKB>
 struct WgCfg {
-  static constexpr int STAGES = NKB == 1 ? 8 : 5;
+  static constexpr int STAGES = plan::wg_stages(NKB);
   static constexpr int STAGE_BYTES = NKB * kWgBN * 128;
   static constexpr int Q_BYTES = NKB * kWgBM * 128;
   static constexpr int SCALE_BYTES = STAGES * kWgScaleStride * 4;  // scaled variants: doc-token scales per stage
@@ -113,9 +113,9 @@ constexpr int kScDoc = 2;    // one scale per document, applied to the row maxim
 template <typename T, int SC>
 constexpr bool kWgIntMax = SC == kScDoc && std::is_same<T, int8_t>::value;
 
-// Kernel flags.
-constexpr int kWgContiguous = 1;  // contiguous item ranges per CTA (else strided)
-constexpr int kWgFastLoader = 4;  // loader: slot-level loads only, rows from the slot table (fewer round trips)
+// Kernel flags (the planner's schedule, plan::wgmma_flags).
+using plan::kWgContiguous;  // contiguous item ranges per CTA (else strided)
+using plan::kWgFastLoader;  // loader: slot-level loads only, rows from the slot table (fewer round trips)
 
 // Doc chunk of the previous item (producer and consumers decide residency
 // identically): the same chunk of <= stages tiles is not reloaded.
@@ -338,8 +338,8 @@ __device__ __forceinline__ void wg_finish(const FwdParams& p, const Work& w, con
     // Slots in groups of four: their row sums and warp reductions interleave
     // instead of running one dependent chain (loads, five shuffles, a store)
     // per slot. One warp finishes every item of the CTA, and with a chain per
-    // slot it set the pace of short items (H100 allpairs-128: busy ~95 % of
-    // the kernel while the consumers waited on the next query tile). Same
+    // slot it set the pace of short items (the consumers waited on the next
+    // query tile). Same
     // per-lane order and butterfly as the one-chain form below: the sums
     // are bitwise those of the other instantiations.
     const int nslots = p.layout == kCrossL ? p.qpt : 1;
@@ -481,7 +481,7 @@ __device__ __forceinline__ void wg_fold(const FwdParams& p, const Work& w, float
     // Sequential (max, argmax) update, columns in increasing order. The
     // winner is kept as its offset in the tile (an immediate per column);
     // masking inside this loop made the compiler build a per-column bit mask
-    // and ~6 instructions per element (H100 ncu, train-128 forward).
+    // and ~6 instructions per element.
     int off[2] = {-1, -1};
 #pragma unroll
     for (int jn = 0; jn < NJ; ++jn)
@@ -750,8 +750,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
         // 128-byte k block: the chunk's column, its swizzle (row % 8 is fixed)
         // and the smem stride are loop invariants. With the index arithmetic
         // per copy this loop was ~37 instructions per cp.async, and the loader
-        // (not the tensor cores) set the pace of short items (H100 allpairs-128:
-        // consumers waited on the query tile 41 % of their time).
+        // (not the tensor cores) set the pace of short items.
         static_assert(kLoader == 64 && BM % 8 == 0, "loader thread -> (row % 8, chunk) map");
         {
           const int c = lt & 7, r0 = lt >> 3;
@@ -879,13 +878,6 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 // Host side.
 // ---------------------------------------------------------------------------
 
-// Developer hook (benchmark harness only): force the kernel flags
-// (kWgContiguous | kWgFastLoader); -1 = heuristic.
-inline int& wg_forced_flags() {
-  static int f = -1;
-  return f;
-}
-
 // cuTensorMapEncodeTiled through the runtime's driver entry point (no -lcuda).
 inline PFN_cuTensorMapEncodeTiled_v12000 wg_encode_fn() {
   static PFN_cuTensorMapEncodeTiled_v12000 fn = []() -> PFN_cuTensorMapEncodeTiled_v12000 {
@@ -903,18 +895,6 @@ inline PFN_cuTensorMapEncodeTiled_v12000 wg_encode_fn() {
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
   }();
   return fn;
-}
-
-// Whether the wgmma path can take this problem (host-side shape / alignment
-// checks; the device and build checks are in wgmma_available<T>).
-inline bool wgmma_shape_ok(const FwdParams& p, int64_t dim, int64_t esz) {
-  const int64_t rb = dim * esz;  // 16..256 bytes, a multiple of 16 (TMA strides, 32-byte k steps)
-  if ((esz != 2 && esz != 1) || rb < 16 || rb > 2 * 128 || rb % 16 != 0) return false;
-  if (p.Td <= 0 || p.Td >= ((int64_t)1 << 31) || p.Tq >= ((int64_t)1 << 31)) return false;  // 32-bit row ids
-  if (reinterpret_cast<uintptr_t>(p.q) % 16 != 0 || reinterpret_cast<uintptr_t>(p.d) % 16 != 0) return false;
-  // 8-bit tokens: their scales go through a 1-D tensor map (16-byte aligned base).
-  if (esz == 1 && (p.d_scale == nullptr || reinterpret_cast<uintptr_t>(p.d_scale) % 16 != 0)) return false;
-  return wg_encode_fn() != nullptr;
 }
 
 template <typename T, int NKB, bool ARG, int SC, bool MS = false>
@@ -938,36 +918,16 @@ inline bool wg_kernel_ready() {
   return state[dev] == 1;
 }
 
-// fp8: scores only, rows of <= 128 products (one chain of the
-// reduced-precision accumulation, see the header).
-template <typename T>
-constexpr bool kWgRowsOf128Only = std::is_same<T, __nv_fp8_e4m3>::value;
-
+// Launches the persistent kernel of the plan over work items [item0, item0 +
+// nitems) with the planner's schedule flags. p is set up for BM = kWgBM,
+// BN = kWgBN (qpt, tpq, mt_total, S, row_mode, workspaces), exactly as for
+// the other kernels. SC: per-token scales in p.q_scale / p.d_scale (8-bit
+// tokens; 16-bit tokens under normalize, with the documents' inverse norms
+// from a pre-pass); the plan's scale 2 runs kScDoc (8-bit tokens, one scale
+// per document, applied to the row maxima).
 template <typename T, int SC>
-inline bool wgmma_available(int64_t dim, bool arg) {
-  int dev = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  int major = 0, minor = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
-  if (major != 9 || minor != 0) return false;
-  if constexpr (kWgRowsOf128Only<T>)  // fp8 argmax: exact products on mma.sync (winners could swap on near-ties)
-    return !arg && dim * (int64_t)sizeof(T) <= 128 && wg_kernel_ready<T, 1, false, SC>();
-  else if (dim * (int64_t)sizeof(T) <= 128)
-    return arg ? wg_kernel_ready<T, 1, true, SC>() : wg_kernel_ready<T, 1, false, SC>();
-  else
-    return arg ? wg_kernel_ready<T, 2, true, SC>() : wg_kernel_ready<T, 2, false, SC>();
-}
-
-// Launches the persistent kernel over work items [item0, item0 + nitems).
-// p must be set up for BM = kWgBM, BN = kWgBN (qpt, tpq, mt_total, S,
-// row_mode, workspaces), exactly as for the other kernels.
-// SC: per-token scales in p.q_scale / p.d_scale (8-bit tokens; 16-bit tokens
-// under normalize, with the documents' inverse norms from a pre-pass); fp8
-// and int8 (scores, rows <= 128 bytes) with p.d_scale_per_doc run kScDoc.
-template <typename T, int SC>
-inline void launch_wgmma(bool arg, const FwdParams& p, int64_t dim, int64_t item0, int64_t nitems, int num_sms,
-                         cudaStream_t stream) {
+inline void launch_wgmma(const plan::WgmmaPlan& w, bool arg, const FwdParams& p, int64_t dim, int64_t item0,
+                         int64_t nitems, int flags, int num_sms, cudaStream_t stream) {
   if (nitems <= 0) return;
   constexpr bool q8 = kIsQuant<T>;
   CUtensorMap map, smap;
@@ -978,6 +938,7 @@ inline void launch_wgmma(bool arg, const FwdParams& p, int64_t dim, int64_t item
   const CUtensorMapDataType dt = q8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8
                                  : std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
                                                                   : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  MAXSIM_CHECK(wg_encode_fn() != nullptr, "maxsim: cuTensorMapEncodeTiled unavailable");
   CUresult r = wg_encode_fn()(&map, dt, 2, const_cast<char*>(p.d), gdim, gstride, box, estride,
                               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
@@ -1003,55 +964,40 @@ inline void launch_wgmma(bool arg, const FwdParams& p, int64_t dim, int64_t item
     MAXSIM_CHECK(r == CUDA_SUCCESS, "maxsim: cuTensorMapEncodeTiled (scales) failed (%d)", (int)r);
   }
   const unsigned grid = (unsigned)std::min<int64_t>(nitems, std::max(1, num_sms));
-  const bool small = p.row_bytes <= 128;
-  // Contiguous item ranges when a doc chunk fits the stage ring (then the
-  // chunk is loaded once per CTA and shared by all its M tiles); strided
-  // otherwise (CTAs running together share each document through L2).
-  const int stages = small ? WgCfg<1>::STAGES : WgCfg<2>::STAGES;
-  const int64_t avg_chunk = (p.Nd > 0 ? p.Td / p.Nd : 0) / std::max(1, p.S);
-  // The fast loader pays off with the contiguous schedule (many short items
-  // per CTA; H100 allpairs-128 graph 0.1547 -> 0.1458 ms, train-128 forward
-  // with argmax 0.2284 -> 0.2269); with the strided one it cost colpali-10k 1 %.
-  int flags = (avg_chunk <= (int64_t)stages * kWgBN && nitems >= 2 * (int64_t)grid)
-                  ? kWgContiguous | kWgFastLoader
-                  : 0;
-  if (wg_forced_flags() >= 0) flags = wg_forced_flags();
-  TORCH_CHECK((wgmma_available<T, SC>(dim, arg)), "maxsim: wgmma kernel unavailable");
-  // Tiles of several queries finish in their own instantiation (slots in
-  // groups, wg_finish): in the shared one the grouped finisher cost the
-  // one-query-per-tile rows (colpali-10k) ~3 % (H100, perf notes session 22).
-  // With argmax only items of one doc tile take it: longer items are paced by
-  // the consumers' argmax fold, and train-128's forward read ~1 % slower with
-  // it (BigBatch forward with argmax 0.0298 -> 0.0260 ms, session 23).
-  // 16-bit tokens only.
-  const bool multi = SC == kScNone && !q8 && (!arg || avg_chunk <= kWgBN) && p.layout == kCrossL && p.qpt >= 2 &&
-                     p.row_mode == 0;
-  const auto go = [&](auto kern, int smem) {
+  // The kernel instance: prepared (shared memory opted in, sm_90a body
+  // present), then launched.
+  const auto go = [&](auto ready, auto kern, int smem) {
+    TORCH_CHECK(ready, "maxsim: wgmma kernel unavailable");
     launch_pdl(kern, dim3(grid), dim3(kWgThreads), (size_t)smem, stream, map, smap, qmap, p, item0, nitems, flags);
   };
-  // The kernel for N 128-byte k blocks: MS when it applies and is ready, with or without argmax.
   const auto go_n = [&](auto n) {
     constexpr int N = decltype(n)::value;
-    if (multi && (arg ? wg_kernel_ready<T, N, true, SC, true>() : wg_kernel_ready<T, N, false, SC, true>()))
-      go(arg ? wg_fwd_kernel<T, N, true, SC, true> : wg_fwd_kernel<T, N, false, SC, true>, WgCfg<N>::SMEM);
-    else
-      go(arg ? wg_fwd_kernel<T, N, true, SC> : wg_fwd_kernel<T, N, false, SC>, WgCfg<N>::SMEM);
-  };
-  if constexpr (kWgRowsOf128Only<T>) {
-    if (p.d_scale_per_doc) {
-      TORCH_CHECK((wg_kernel_ready<T, 1, false, kScDoc>()), "maxsim: wgmma kernel unavailable");
-      go(wg_fwd_kernel<T, 1, false, kScDoc>, WgCfg<1>::SMEM);
-    } else {
-      go(wg_fwd_kernel<T, 1, false, SC>, WgCfg<1>::SMEM);
+    if constexpr (SC == kScNone && !q8) {  // tiles of several queries: their own instantiation
+      if (w.multi) {
+        if (arg)
+          go(wg_kernel_ready<T, N, true, SC, true>(), wg_fwd_kernel<T, N, true, SC, true>, WgCfg<N>::SMEM);
+        else
+          go(wg_kernel_ready<T, N, false, SC, true>(), wg_fwd_kernel<T, N, false, SC, true>, WgCfg<N>::SMEM);
+        return;
+      }
     }
-  } else if (small) {
-    bool int_max = false;  // int8 with one scale per document (rows <= 128 bytes, scores only)
-    if constexpr (std::is_same<T, int8_t>::value)
-      int_max = !arg && p.d_scale_per_doc && wg_kernel_ready<T, 1, false, kScDoc>();
-    if (int_max)
-      go(wg_fwd_kernel<T, 1, false, kScDoc>, WgCfg<1>::SMEM);
+    if (arg)
+      go(wg_kernel_ready<T, N, true, SC>(), wg_fwd_kernel<T, N, true, SC>, WgCfg<N>::SMEM);
     else
-      go_n(std::integral_constant<int, 1>{});
+      go(wg_kernel_ready<T, N, false, SC>(), wg_fwd_kernel<T, N, false, SC>, WgCfg<N>::SMEM);
+  };
+  if constexpr (q8) {  // one scale per document: scores only, rows of <= 128 bytes
+    if (w.scale == 2) {
+      MAXSIM_CHECK(!arg && w.nkb == 1, "maxsim: wgmma: per-document scales take scores of rows <= 128 bytes");
+      go(wg_kernel_ready<T, 1, false, kScDoc>(), wg_fwd_kernel<T, 1, false, kScDoc>, WgCfg<1>::SMEM);
+      return;
+    }
+  }
+  if constexpr (std::is_same<T, __nv_fp8_e4m3>::value) {  // fp8: scores only, rows of <= 128 products
+    MAXSIM_CHECK(!arg && w.nkb == 1, "maxsim: wgmma: fp8 tokens take scores of rows <= 128 bytes");
+    go(wg_kernel_ready<T, 1, false, SC>(), wg_fwd_kernel<T, 1, false, SC>, WgCfg<1>::SMEM);
+  } else if (w.nkb == 1) {
+    go_n(std::integral_constant<int, 1>{});
   } else {
     go_n(std::integral_constant<int, 2>{});
   }
@@ -1061,25 +1007,19 @@ inline void launch_wgmma(bool arg, const FwdParams& p, int64_t dim, int64_t item
 // are compiled once; the scaled 16-bit kernels of normalize in
 // forward_wgmma_<dtype>_normalize.cu).
 template <typename T>
-bool run_wgmma_available(int64_t dim, bool arg);
+void run_wgmma(const plan::WgmmaPlan& w, bool arg, const FwdParams& p, int64_t dim, int64_t item0, int64_t nitems,
+               int flags, int num_sms, cudaStream_t stream);
 template <typename T>
-void run_wgmma(bool arg, const FwdParams& p, int64_t dim, int64_t item0, int64_t nitems, int num_sms,
-               cudaStream_t stream);
-template <typename T>
-bool run_wgmma_scaled_available(int64_t dim, bool arg);
-template <typename T>
-void run_wgmma_scaled(bool arg, const FwdParams& p, int64_t dim, int64_t item0, int64_t nitems, int num_sms,
-                      cudaStream_t stream);
+void run_wgmma_scaled(const plan::WgmmaPlan& w, bool arg, const FwdParams& p, int64_t dim, int64_t item0,
+                      int64_t nitems, int flags, int num_sms, cudaStream_t stream);
+// Whether the sm_90a kernels are in this build (on an sm_90 device).
+bool wgmma_built();
 
-#define MAXSIM_DEFINE_WGMMA_RUNNERS_(NAME, T, SC)                                                        \
-  template <>                                                                                            \
-  bool NAME##_available<T>(int64_t dim, bool arg) {                                                      \
-    return wgmma_available<T, SC>(dim, arg);                                                             \
-  }                                                                                                      \
-  template <>                                                                                            \
-  void NAME<T>(bool arg, const FwdParams& p, int64_t dim, int64_t item0, int64_t nitems, int num_sms,    \
-               cudaStream_t stream) {                                                                    \
-    launch_wgmma<T, SC>(arg, p, dim, item0, nitems, num_sms, stream);                                    \
+#define MAXSIM_DEFINE_WGMMA_RUNNERS_(NAME, T, SC)                                                                \
+  template <>                                                                                                    \
+  void NAME<T>(const plan::WgmmaPlan& w, bool arg, const FwdParams& p, int64_t dim, int64_t item0,               \
+               int64_t nitems, int flags, int num_sms, cudaStream_t stream) {                                    \
+    launch_wgmma<T, SC>(w, arg, p, dim, item0, nitems, flags, num_sms, stream);                                  \
   }
 #define MAXSIM_DEFINE_WGMMA_RUNNERS(T) MAXSIM_DEFINE_WGMMA_RUNNERS_(run_wgmma, T, (kIsQuant<T> ? kScToken : kScNone))
 #define MAXSIM_DEFINE_WGMMA_SCALED_RUNNERS(T) MAXSIM_DEFINE_WGMMA_RUNNERS_(run_wgmma_scaled, T, kScToken)

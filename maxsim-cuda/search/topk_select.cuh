@@ -15,8 +15,7 @@
 // need-th key's bin (11 bits each) until the keys from it up fit; those are
 // sorted, exact ids breaking ties.
 //
-// The kernel is one SM's latency, and measured (graph us on H100, n = 1 key)
-// its time grew with its static code: every phase runs once per warp, so
+// The kernel is one SM's latency, and its time grows with its static code: every phase runs once per warp, so
 // fully unrolled per-key code runs at instruction-fetch speed. Hence the
 // keys live in shared memory (dynamic, 12 bytes per key: staged scores or
 // ids, then the keys in place) and every phase is a rolled loop over them;
@@ -29,7 +28,7 @@
 
 #include <cstdint>
 
-#include "common.cuh"  // cp.async wrappers, pdl_enter
+#include "../common/common.cuh"  // cp.async wrappers, pdl_enter
 #include "search_keys.h"
 
 namespace maxsim {
@@ -163,8 +162,8 @@ __device__ __forceinline__ bool narrow(int bin, int above, int inbin, int shift,
 
 // Block-wide min / max / sum. EVERY: each warp reduces the W warp partials
 // itself (one barrier); else warp 0 does and broadcasts them (two barriers,
-// fewer live registers: the register-resident select_wide_kernel measured
-// 3-7 % slower with EVERY, its spills growing).
+// fewer live registers: the register-resident select_wide_kernel spills
+// with EVERY).
 template <int W, bool EVERY = true>
 __device__ __forceinline__ void block_min_max_sum(unsigned long long& mn, unsigned long long& mx, int& cnt,
                                                   unsigned long long (*red)[W], int* wsum) {
@@ -466,9 +465,8 @@ __global__ void __launch_bounds__(T)
 // (1024 threads x 12 per chunk), one histogram pass over every key, then a
 // bitonic sort of up to 2048 winners. Its fixed per-phase cost is higher
 // (above), but for wide selects its register-resident passes and network
-// sort measured faster than the shared-memory passes and the run-merge
-// ranks (H100: k 400 of 10k keys / 1000 of 12288: 15.6 / 19.1 us vs 18.1
-// / 42.3). Its single pass takes the keys from the bin up when at most
+// sort are faster than the shared-memory passes and the run-merge ranks.
+// Its single pass takes the keys from the bin up when at most
 // max(256, 2 k) of them, chunks of <= 256 live keys skip it.
 constexpr int kWideThreads = 1024, kWidePer = 12, kWideChunk = kWideThreads * kWidePer;
 

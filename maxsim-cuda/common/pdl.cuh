@@ -14,8 +14,8 @@
 // exited); its CTAs then take free SM slots and wait. Small kernels (select,
 // quantise, keys, finalize, norms) trigger at the start. The forward and
 // backward grids trigger after their main loop (streaming kernel, several
-// waves) or at exit: an early successor of a one-wave grid took the free
-// slots of a partly filled GPU (H100, rerank-short 32.0 -> 34.5 us). Before
+// waves) or at exit: an early successor of a one-wave grid takes the free
+// slots of a partly filled GPU and slows it. Before
 // sm_90 both are no-ops and the launch is an ordinary one. MAXSIM_PDL=0 in
 // the environment turns the attribute off (ordinary launches everywhere).
 #pragma once

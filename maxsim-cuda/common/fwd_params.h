@@ -21,6 +21,28 @@ inline at::Tensor token_mask(const std::optional<at::Tensor>& m, int64_t rows, c
   return t;
 }
 
+// The planner's pointer alignment of two token tensors: the largest of 16,
+// 8, 4, 2, 1 dividing both data pointers.
+inline int ptr_align(const void* a, const void* b) {
+  const uintptr_t x = reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b);
+  for (int v : {16, 8, 4, 2})
+    if (x % v == 0) return v;
+  return 1;
+}
+
+// The streaming kernels' fields of a plan.
+inline void set_stream_plan(FwdParams& p, const plan::Plan& pl) {
+  p.stream_split = pl.stream.split;
+  p.stream_il = pl.stream.il;
+  p.stream_qsm = pl.stream.qsm;
+  p.stream_tail = pl.stream.tail;
+  p.stream_head_blocks = pl.stream.head_blocks;
+  p.stream_extent = pl.stream.extent;
+  p.stream_qextent = pl.stream.qextent;
+  p.stream_keep = pl.keep;
+  p.stream_multiwave = pl.multiwave;
+}
+
 // Token rows, (start, length) per query and document, masks (qm / dm may be
 // undefined), and the sizes derived from them.
 inline void set_segments(FwdParams& p, const at::Tensor& q, const at::Tensor& q_start, const at::Tensor& q_len,

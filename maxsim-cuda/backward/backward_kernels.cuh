@@ -46,8 +46,8 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "convert.cuh"
-#include "pdl.cuh"
+#include "../common/convert.cuh"
+#include "../common/pdl.cuh"
 
 namespace maxsim {
 namespace cuda_bwd {
@@ -57,7 +57,7 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kEpt = 8;                     // dd: entries per lane per chunk
 constexpr int kChunk = kThreads * kEpt;     // dd: entries per chunk
 constexpr int kRing = 8;                    // dq: row loads in flight per lane
-constexpr int kRingDD = 8;                  // dd: the same (12 measured slower, H100)
+constexpr int kRingDD = 8;                  // dd: the same (12 is slower)
 constexpr int kAmRound = 8;                 // dq staging: argmax loads in flight per thread
 constexpr int kCrossL = 0, kGroupedL = 1, kListL = 2;
 constexpr int64_t kNoWidth = INT64_MAX;
@@ -714,7 +714,7 @@ __device__ __forceinline__ void dd_cta(const BwdParams& p, int64_t item) {
 #pragma unroll
         for (int u = 0; u < kRingDD; ++u) fetch(x0 + u, u);
         // Items in pairs (smem_fma2): the shared-row read-modify-writes were
-        // the drain's critical path (H100 ncu, train-128).
+        // the drain's critical path.
         static_assert(kRingDD % 2 == 0, "items go in pairs");
         for (int x = x0; x < x1; x += kRingDD) {
 #pragma unroll
@@ -755,7 +755,7 @@ __device__ __forceinline__ void dd_cta(const BwdParams& p, int64_t item) {
 // or both kinds in one grid (blocks [0, n_dd) dd, the rest dq): they write
 // disjoint outputs and share the SMs, with one launch on the host. dd's
 // CTAs go first: they are the longer ones, and dq's fill the SMs as they
-// drain (dq first measured 1-5 % slower, alternating 6-15 %).
+// drain (dq first, or alternating, is slower).
 template <class T, class A, int VEC, class O>
 __global__ void __launch_bounds__(kThreads, 3) dq_kernel(const BwdParams p, int64_t item0) {
   pdl_wait();

@@ -5,5 +5,7 @@
 namespace maxsim {
 namespace cuda_fwd {
 MAXSIM_DEFINE_WGMMA_RUNNERS(__nv_bfloat16)
+
+bool wgmma_built() { return wg_encode_fn() != nullptr && wg_kernel_ready<__nv_bfloat16, 1, false, kScNone>(); }
 }  // namespace cuda_fwd
 }  // namespace maxsim

@@ -26,20 +26,15 @@
 
 #include <c10/cuda/CUDAException.h>
 
-#include "common.cuh"
-#include "smem_opt_in.h"
+#include "../common/common.cuh"
+#include "../common/smem_opt_in.h"
 
 namespace maxsim {
 namespace cuda_fwd {
 
-constexpr int kMmaKChunkBytes = 256;
-// 8-bit tokens: 128-B k chunks and twice the stages, so a stage holds the
-// same rows with half the bytes and twice the tiles are in flight (a
-// memory-bound scan is bound by bytes in flight, not by the tile count).
-constexpr int kMmaKChunkBytes8 = 128;
-constexpr int mma_kchunk(bool q8) { return q8 ? kMmaKChunkBytes8 : kMmaKChunkBytes; }
-constexpr int mma_stages(int stages, bool q8) { return q8 ? 2 * stages : stages; }
-constexpr int kMmaMaxDpc = 32;  // docs per CTA, at most (one warp scans them)
+using plan::kMmaMaxDpc;
+using plan::mma_kchunk;
+using plan::mma_stages;
 
 template <int BM_, int BN_, int WM_, int WN_, int STAGES_, int MINB_>
 struct MmaShape {
@@ -47,69 +42,13 @@ struct MmaShape {
   static constexpr int NTH = WM * WN * 32;
 };
 
-// The configurations the host dispatches between (index = config id).
-// 4 warps, 32x16 warp tiles: small lq, memory bound. 3 stages so that 4 CTAs
-// fit per SM (H100 graph time vs 4 stages / 3 CTAs: 1 x 1000 Ld 300 -3.5 %,
-// B32 K100 Ld 256 -3 %, 10k / 100k docs +0.5 %).
-using MmaCfg0 = MmaShape<32, 64, 1, 4, 3, 4>;
-using MmaCfg1 = MmaShape<64, 64, 2, 2, 4, 2>;    // 4 warps, 32x32 warp tiles: lq <= 64
-using MmaCfg2 = MmaShape<128, 64, 2, 2, 3, 2>;   // 4 warps, 64x32 warp tiles
-using MmaCfg3 = MmaShape<128, 128, 2, 4, 3, 1>;  // 8 warps, 64x32 warp tiles
-using MmaCfg4 = MmaShape<128, 64, 4, 2, 3, 2>;   // 8 warps, 32x32 warp tiles
-constexpr int kNumMmaCfgs = 5;
-
+// The tile configurations the planner returns (plan::kMmaConfigs).
 template <int CFG>
-struct MmaCfgOf;
-template <>
-struct MmaCfgOf<0> {
-  using type = MmaCfg0;
-};
-template <>
-struct MmaCfgOf<1> {
-  using type = MmaCfg1;
-};
-template <>
-struct MmaCfgOf<2> {
-  using type = MmaCfg2;
-};
-template <>
-struct MmaCfgOf<3> {
-  using type = MmaCfg3;
-};
-template <>
-struct MmaCfgOf<4> {
-  using type = MmaCfg4;
+struct MmaCfgOf {
+  static constexpr plan::MmaConfig c = plan::kMmaConfigs[CFG];
+  using type = MmaShape<c.bm, c.bn, c.wm, c.wn, c.stages, c.minb>;
 };
 
-struct MmaCfgInfo {
-  int bm, bn, wn, stages, nth;
-};
-template <class C>
-constexpr MmaCfgInfo mma_info_of() {
-  return MmaCfgInfo{C::BM, C::BN, C::WN, C::STAGES, C::NTH};
-}
-inline MmaCfgInfo mma_cfg_info(int cfg) {
-  switch (cfg) {
-    case 0: return mma_info_of<MmaCfg0>();
-    case 1: return mma_info_of<MmaCfg1>();
-    case 2: return mma_info_of<MmaCfg2>();
-    case 3: return mma_info_of<MmaCfg3>();
-    default: return mma_info_of<MmaCfg4>();
-  }
-}
-
-// Dynamic shared memory: resident query tile + the doc stage ring.
-inline size_t mma_smem_bytes(int cfg, int kch, bool q8) {
-  MmaCfgInfo c = mma_cfg_info(cfg);
-  const size_t kcb = mma_kchunk(q8);
-  return (size_t)c.bm * kch * kcb + (size_t)mma_stages(c.stages, q8) * c.bn * kcb;
-}
-// Upper bound of the kernel's static shared memory.
-inline size_t mma_static_smem(int cfg, bool q8) {
-  MmaCfgInfo c = mma_cfg_info(cfg);
-  return (size_t)c.bm * 13 + (size_t)2 * c.wn * c.bm * 4 + (size_t)mma_stages(c.stages, q8) * c.bn * (q8 ? 5 : 1) +
-         (size_t)kMmaMaxDpc * 21 + 256;
-}
 // Byte offset of 16-byte chunk c of row r in a [rows x KCB] tile.
 template <int KCB>
 __device__ __forceinline__ uint32_t swz(int r, int c) {
@@ -620,42 +559,47 @@ void run_mma_scaled(int cfg, bool arg, const FwdParams& p, int64_t item0, int64_
 template <typename T>
 int occupancy_mma_scaled(int cfg, bool arg, size_t smem);
 
-#define MAXSIM_MMA_CASES(F, ...)      \
-  case 0: F(0, false, __VA_ARGS__);   \
-  case 1: F(0, true, __VA_ARGS__);    \
-  case 2: F(1, false, __VA_ARGS__);   \
-  case 3: F(1, true, __VA_ARGS__);    \
-  case 4: F(2, false, __VA_ARGS__);   \
-  case 5: F(2, true, __VA_ARGS__);    \
-  case 6: F(3, false, __VA_ARGS__);   \
-  case 7: F(3, true, __VA_ARGS__);    \
-  case 8: F(4, false, __VA_ARGS__);   \
-  default: F(4, true, __VA_ARGS__);
-
-#define MAXSIM_MMA_LAUNCH(CFG, ARG, T, SCM) return launch_mma_cfg<T, CFG, ARG, SCM>(p, item0, nitems, smem, stream)
-#define MAXSIM_MMA_OCC(CFG, ARG, T, SCM) return mma_occupancy_cfg<T, CFG, ARG, SCM>(smem)
-
-#define MAXSIM_DEFINE_MMA_RUNNERS(T)                                                                  \
-  template <>                                                                                         \
-  void run_mma<T>(int cfg, bool arg, const FwdParams& p, int64_t item0, int64_t nitems, size_t smem, \
-                  cudaStream_t stream) {                                                              \
-    switch (cfg * 2 + (arg ? 1 : 0)) { MAXSIM_MMA_CASES(MAXSIM_MMA_LAUNCH, T, kIsQuant<T> ? 1 : 0) }  \
-  }                                                                                                   \
-  template <>                                                                                         \
-  int occupancy_mma<T>(int cfg, bool arg, size_t smem) {                                              \
-    switch (cfg * 2 + (arg ? 1 : 0)) { MAXSIM_MMA_CASES(MAXSIM_MMA_OCC, T, kIsQuant<T> ? 1 : 0) }     \
+// Calls f(std::integral_constant<int, CFG>) for the planner's config id cfg.
+template <int CFG = 0, typename F>
+inline auto with_mma_cfg(int cfg, F&& f) {
+  if constexpr (CFG + 1 < plan::kNumMmaConfigs) {
+    if (cfg != CFG) return with_mma_cfg<CFG + 1>(cfg, f);
   }
+  return f(std::integral_constant<int, CFG>{});
+}
 
-#define MAXSIM_DEFINE_MMA_SCALED_RUNNERS(T)                                                                  \
-  template <>                                                                                                \
-  void run_mma_scaled<T>(int cfg, bool arg, const FwdParams& p, int64_t item0, int64_t nitems, size_t smem, \
-                         cudaStream_t stream) {                                                              \
-    switch (cfg * 2 + (arg ? 1 : 0)) { MAXSIM_MMA_CASES(MAXSIM_MMA_LAUNCH, T, 2) }                           \
-  }                                                                                                          \
-  template <>                                                                                                \
-  int occupancy_mma_scaled<T>(int cfg, bool arg, size_t smem) {                                              \
-    switch (cfg * 2 + (arg ? 1 : 0)) { MAXSIM_MMA_CASES(MAXSIM_MMA_OCC, T, 2) }                              \
+template <typename T, int SCM>
+inline void run_mma_scm(int cfg, bool arg, const FwdParams& p, int64_t item0, int64_t nitems, size_t smem,
+                        cudaStream_t stream) {
+  with_mma_cfg(cfg, [&](auto c) {
+    constexpr int CFG = decltype(c)::value;
+    if (arg)
+      launch_mma_cfg<T, CFG, true, SCM>(p, item0, nitems, smem, stream);
+    else
+      launch_mma_cfg<T, CFG, false, SCM>(p, item0, nitems, smem, stream);
+  });
+}
+
+template <typename T, int SCM>
+inline int occupancy_mma_scm(int cfg, bool arg, size_t smem) {
+  return with_mma_cfg(cfg, [&](auto c) {
+    constexpr int CFG = decltype(c)::value;
+    return arg ? mma_occupancy_cfg<T, CFG, true, SCM>(smem) : mma_occupancy_cfg<T, CFG, false, SCM>(smem);
+  });
+}
+
+#define MAXSIM_DEFINE_MMA_RUNNERS_(RUN, OCC, T, SCM)                                                \
+  template <>                                                                                     \
+  void RUN<T>(int cfg, bool arg, const FwdParams& p, int64_t item0, int64_t nitems, size_t smem, \
+              cudaStream_t stream) {                                                              \
+    run_mma_scm<T, SCM>(cfg, arg, p, item0, nitems, smem, stream);                                \
+  }                                                                                               \
+  template <>                                                                                     \
+  int OCC<T>(int cfg, bool arg, size_t smem) {                                                    \
+    return occupancy_mma_scm<T, SCM>(cfg, arg, smem);                                             \
   }
+#define MAXSIM_DEFINE_MMA_RUNNERS(T) MAXSIM_DEFINE_MMA_RUNNERS_(run_mma, occupancy_mma, T, kIsQuant<T> ? 1 : 0)
+#define MAXSIM_DEFINE_MMA_SCALED_RUNNERS(T) MAXSIM_DEFINE_MMA_RUNNERS_(run_mma_scaled, occupancy_mma_scaled, T, 2)
 
 }  // namespace cuda_fwd
 }  // namespace maxsim

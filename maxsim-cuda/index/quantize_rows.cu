@@ -6,8 +6,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_fp8.h>
 
-#include "convert.cuh"
-#include "pdl.cuh"
+#include "../common/convert.cuh"
+#include "../common/pdl.cuh"
 #include "quantize_rows.h"
 #include "torch_binding.h"
 

@@ -1,14 +1,13 @@
 // Offsets -> (start, length) segments, int32 ids / lengths, one launch per
-// call (contract in torch_binding.h). Composed from tensor ops this was ~25
-// launches for a packed-pairs call (H100: ~46 us of graph time on top of a
-// 27 us forward). Each offsets array of up to kOneCta segments is one CTA
+// call (contract in torch_binding.h), where tensor ops would take ~25
+// launches, more time than the forward itself. Each offsets array of up to kOneCta segments is one CTA
 // (it must see every offset before writing any length: a decrease anywhere
 // poisons all); the CTAs after them copy the ids. Longer arrays take a
 // check grid and a write grid.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
-#include "pdl.cuh"
+#include "../common/pdl.cuh"
 #include "torch_binding.h"
 
 namespace maxsim {

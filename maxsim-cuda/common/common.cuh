@@ -14,6 +14,7 @@
 #include <type_traits>
 
 #include "check.h"
+#include "forward_plan.h"
 #include "pdl.cuh"
 #include "search_keys.h"
 
@@ -163,8 +164,7 @@ __device__ __forceinline__ void merge_arg(float& b, int& i, float ob, int oi) {
 // loaded value in between: a caller's segment loads for several ids (the
 // streaming kernel's query, document and staged query) then share one L2
 // round trip. Branches here made them a chain of dependent loads, the
-// largest part of the streaming kernel's fixed cost per CTA (H100, ncu,
-// session 29).
+// largest part of the streaming kernel's fixed cost per CTA.
 __device__ __forceinline__ bool query_ok(const FwdParams& p, int64_t n, int& qs, int& ql) {
   const bool in = n >= 0 && n < p.Nq;
   const int s = in ? p.q_start[n] : 0, len = in ? p.q_len[n] : -1;

@@ -1,20 +1,19 @@
 // Register-streaming forward for one short query against many documents
 // (lq <= 32, rows of 64 / 128 / 192 / 256 bytes: fp16 / bf16 dim 32-128, or
 // int8 / fp8 e4m3 tokens with per-token or per-document scales, dim
-// 64-256; no argmax, no `normalize`; forward.cu selects it): memory-bound
+// 64-256; no argmax, no `normalize`; the planner selects it): memory-bound
 // reranking and corpus scans (search over an 8-bit corpus included), where
 // the tile kernel's shared-memory staging, ldmatrix and barriers only add
 // latency between DRAM and the tensor cores. Any layout works; the host
 // takes it for CROSS with one query and for 16-bit GROUPED candidates and
-// LIST pairs (measured, see forward.cu). On sm_90a the staged wgmma stream
+// LIST pairs (forward_plan.h). On sm_90a the staged wgmma stream
 // (forward_stream_wg.cuh) takes most of those shapes; this kernel keeps
 // documents under 64 tokens, few pairs, pair lists, 8-bit rows and the
 // search re-score.
 //
 // One warp per pair, or S = 2 / 4 warps per pair each taking every S-th of
 // the document's tiles, so the pair's warps read adjacent tiles at once
-// (H100, against contiguous ranges: rerank-long -1 %, 10k documents of 180
-// tokens -0.6 %, the rest level; session 24). Their row maxima combine
+// (a little faster than contiguous ranges). Their row maxima combine
 // through shared memory; max is order-free, so every S gives the same bits.
 // A grid of several waves takes its last pairs at S = 4, one per CTA, so it
 // ends on short tasks; few pairs of long documents (<= one CTA per SM) take
@@ -33,24 +32,26 @@
 // same dim of query and document. fp32 accumulation as elsewhere; row
 // maxima in registers, reduced over the quad and summed over rows with the
 // same masking rules and row-sum order as finish_tile (common.cuh); int8
-// rows with one scale per document keep their maxima as exact int32 (H100
-// search at 10k documents: the scan 135 -> 131 us, session 21).
+// rows with one scale per document keep their maxima as exact int32 (the
+// scale applied once per row).
 #pragma once
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 
-#include "common.cuh"
+#include <map>
+#include <mutex>
+
+#include "../common/common.cuh"
 
 namespace maxsim {
 namespace cuda_fwd {
 
-constexpr int kStreamWarps = 4;  // warps (pairs) per CTA
+using plan::kStreamWarps;  // warps (pairs) per CTA
 // Few pairs of 16-bit rows at d = 64 / 128: one pair per CTA of this many
-// warps, so each warp's chain of dependent tile loads is half as long
-// (launch_stream_mt).
-constexpr int kStreamWideWarps = 8;
+// warps, so each warp's chain of dependent tile loads is half as long.
+using plan::kStreamWideWarps;
 // n tiles (8 tokens each) in flight per warp: 8 KB of 16-bit tokens at dim
 // 128; 8-bit rows of <= 128 bytes keep twice the tiles (same bytes, and the
 // registers of wider 8-bit rows would spill).
@@ -69,11 +70,8 @@ __device__ __forceinline__ uint32_t u4_word(const uint4& v, int w) {
 
 // A 16-byte streamed load (evict first) with the L2 256-byte prefetch hint:
 // a quad reads 64 bytes of a token per load, and the rest of its row (and,
-// for rows under 256 bytes, the next token's) is then already on its way.
-// Measured against the 128-byte hint (16-bit rows) / no hint (8-bit rows)
-// on the lent H100, session 16: 0.7-2.7 % faster on all eight streaming rows
-// swept (`stream-l2-prefetch-256-h100.log`); the 128-byte hint itself had
-// gained 0.2-0.8 % over none (session 11).
+// for rows under 256 bytes, the next token's) is then already on its way
+// (faster than the 128-byte hint or none on every streaming shape).
 __device__ __forceinline__ uint4 ld_stream(const uint4* ptr) {
   uint4 v;
   asm("ld.global.cs.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -90,7 +88,7 @@ __device__ __forceinline__ const char* advance(const char* p, int64_t s) {
 }
 
 // The same load at the normal L2 priority: documents that fit in L2 stay
-// there for the next call (see stream_keep in launch_stream_mt).
+// there for the next call (plan::Plan::keep).
 __device__ __forceinline__ uint4 ld_keep(const uint4* ptr) {
   uint4 v;
   asm("ld.global.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -106,7 +104,7 @@ __device__ __forceinline__ uint32_t f8x2_to_h2(uint32_t w) {
 
 // Rows of at most this many candidates rank in the fused top-k below (one
 // key per thread).
-constexpr int kRankMax = kStreamWarps * 32;
+using plan::kRankMax;
 
 // The fused top-k of rescore_topk (kKeysL, rank_done set): pairs [lo, hi)
 // are this CTA's; the CTA that completes a row's count ranks the row's
@@ -114,12 +112,10 @@ constexpr int kRankMax = kStreamWarps * 32;
 // block_topk's order (higher score, then lower id; NaN, then empty slots
 // last), (-inf, -1) past the candidates. Thread i holds key i and counts the
 // greater keys (equal ones before it count too: a permutation even with
-// repeated keys). Measured on H100 (session 19, the last CTA's phases by
-// %globaltimer at 100 candidates): this count ~1 us, a bitonic sort in
-// registers 3.7 us, a shared-memory one ~6 us; past 128 keys (4 per thread,
-// blocks merged by binary search) the count lost to a separate select
-// (400 candidates: +11.5 us in the kernel against 5.1 us), so longer rows
-// are scored here without it and ranked by block_topk (rescore_topk.cu).
+// repeated keys). The count is cheaper than a sort in registers or shared
+// memory at these sizes; past 128 keys it lost to a separate select, so
+// longer rows are scored here without it and ranked by block_topk
+// (rescore_topk.cu).
 // Every thread of the CTA calls it; xch: shared memory for kRankMax keys.
 __device__ __forceinline__ void rank_rows(const FwdParams& p, int64_t lo, int64_t hi, long long* xch) {
   __shared__ int rows[1 + kStreamWarps];
@@ -380,8 +376,7 @@ __global__ void __launch_bounds__(NW * 32) stream_fwd_kernel(const FwdParams p) 
       }
     }
 
-  // fp8: Hopper's fp8 mma.sync issues below the f16 rate (measured: the fp8
-  // scan 1.35x the int8 one); every e4m3 value is exact in f16, so each word
+  // fp8: Hopper's fp8 mma.sync issues below the f16 rate; every e4m3 value is exact in f16, so each word
   // of 4 e4m3 becomes one f16 k16 step (bytes 0-1 -> k 2c, 2c + 1; bytes 2-3
   // -> k 2c + 8, 2c + 9, the same for query rows and document tokens).
   constexpr bool kF8 = std::is_same<T, __nv_fp8_e4m3>::value;
@@ -476,9 +471,8 @@ __global__ void __launch_bounds__(NW * 32) stream_fwd_kernel(const FwdParams p) 
   }
   // A grid of several waves lets the next kernel launch once every CTA is
   // past its loads (its CTAs wait in the slots the tail frees); a one-wave
-  // grid leaves it to the exit: triggered at the start, rerank-short's
-  // successor took the free slots of a partly filled GPU (H100, 32.0 ->
-  // 34.5 us), triggered here still 32.2.
+  // grid leaves it to the exit (triggered at the start, the successor takes
+  // the free slots of a partly filled GPU and slows it).
   if (p.stream_multiwave) pdl_trigger();
   // Row r = 16 mt + 8 h + g: max over the quad, then to lane r.
 #pragma unroll
@@ -531,27 +525,6 @@ __global__ void __launch_bounds__(NW * 32) stream_fwd_kernel(const FwdParams p) 
 #endif
 }
 
-// Whether the streaming kernel takes this forward (host side; max_lq: 128
-// for the staged wgmma stream's longer queries). `normalize`d
-// float tokens stay on the tile kernel (it derives the documents' norms from
-// its fragments); fp8 needs sm_89+.
-inline bool stream_shape_ok(at::ScalarType t, int64_t lq, bool arg, bool normalize, int sm, const FwdParams& p,
-                            int64_t max_lq = 32) {
-  const bool b16 = t == at::kHalf || t == at::kBFloat16;
-  const bool b8 = t == at::kChar || (t == at::kFloat8_e4m3fn && sm >= 89);
-  if (!(b16 || b8) || arg || normalize || lq < 1 || lq > max_lq) return false;
-  const int64_t rb = p.row_bytes;
-  if (rb != 64 && rb != 128 && rb != 192 && rb != 256) return false;
-  if (b8 && (p.q_scale == nullptr || p.d_scale == nullptr)) return false;
-  return reinterpret_cast<uintptr_t>(p.q) % 16 == 0 && reinterpret_cast<uintptr_t>(p.d) % 16 == 0;
-}
-
-// Defined for __half / __nv_bfloat16 / int8_t / __nv_fp8_e4m3 in
-// forward_stream.cu (run_stream_impl). mean_ld: tokens per document, for
-// the split heuristic.
-template <typename T>
-void run_stream(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st);
-
 template <typename Kern>
 int stream_blocks_per_sm(Kern kern, int threads, size_t smem = 0) {
   int b = 0;
@@ -559,182 +532,75 @@ int stream_blocks_per_sm(Kern kern, int threads, size_t smem = 0) {
   return std::max(b, 1);
 }
 
-// Documents read once per call are streamed evict-first, unless they fit
-// well inside L2: then plain loads keep them for the next call (H100, same
-// inputs scored again: 400 documents of 300 tokens, 31 MB, 16.2 -> 11.0 us;
-// document sets past L2 gain nothing and lose 1.5-5 % to plain loads:
-// session 17). Returns whether they fit.
-inline bool stream_fits_l2(const FwdParams& p, int64_t mean_ld) {
-  const int64_t rows = std::min<int64_t>(p.Td, p.P * std::max<int64_t>(mean_ld, 1));
-  const int64_t l2 = at::cuda::getCurrentDeviceProperties()->l2CacheSize;
-  return rows * p.row_bytes * 4 <= l2 * 3;
-}
+// The streaming kernel instance of a plan and its threads per CTA.
+struct StreamKernel {
+  void (*fn)(const FwdParams);
+  int threads;
+};
 
-// The plain-load prefix of a scan of >= 12 waves (see launch_stream_mt):
-// the CTAs that read the first ~2.5 L2 sizes, at least 2.
-inline int64_t stream_plain_prefix(int64_t cta_bytes) {
-  const int64_t l2 = at::cuda::getCurrentDeviceProperties()->l2CacheSize;
-  return std::min<int64_t>(std::max<int64_t>(2, 5 * l2 / 2 / std::max<int64_t>(1, cta_bytes)), INT32_MAX - 1);
-}
-
-// stream_keep as the kernel reads it: the number of leading CTAs that load
-// plainly (INT32_MAX: all). The caller's 1 means all, k > 1 the first k, 0
-// none; < 0: all when the documents fit L2, else `prefix` (0, or >= 2 CTAs).
-inline int stream_plain_ctas(const FwdParams& p, int64_t mean_ld, int64_t prefix) {
-  const int64_t k = p.stream_keep >= 0 ? p.stream_keep : stream_fits_l2(p, mean_ld) ? 1 : prefix;
-  return k == 1 ? INT32_MAX : (int)k;
-}
-
-// Warps per pair, lane layout and query staging (fields left <= 0 / < 0 by
-// the caller are chosen here). Measured on H100 (bf16, lq 32, d 128; perf
-// notes, session 11): a pair split over S warps shortens each warp's chain
-// of dependent loads and the last wave's tail, but costs a query load per
-// warp and, while the S = 1 grid fits in one wave, pushes it into more.
-// Best: one wave at S = 1 -> S = 4 for documents of >= 64 tiles or while
-// the S = 4 grid fills <= 2/3 of a wave, else S = 2 while that grid fits
-// one wave (few pairs: the chain is the whole time; H100, 1 query x 66
-// documents of 300 tokens: 15.2 -> 7.5 us, session 15), or while the pairs
-// fill >= 5/8 of the S = 1 slots and hold >= 32 tiles (with interleaved
-// tiles; H100, session 24: rerank-short 39.1 -> 37.5 us after a memset,
-// 1200 documents of 300 tokens -5 %, 24 x 50 candidates of 256 tokens
-// -2.6 %; fewer pairs or shorter documents lost), else S = 1;
-// up to 2.25 waves at S = 1 -> S = 1 (the tail split below balances them:
-// H100, Rerank 33.1 -> 31.4 us, 64 x 50 documents of 200 tokens 63.9 ->
-// 61.1, equal elsewhere; session 17), more -> the largest S leaving >= 11
-// tiles per warp (one query x 10k documents: S = 1 is 0.7 % slower), and
-// S = 4 from 32 tiles for one query x many documents (with the guessed
-// starts, session 26: 10k documents of 256 / 300 tokens -3.1 / -1.9 %,
-// 5k of 300 -3 % in graph time, eager level or better; per-query
-// candidates of 38 tiles lost 2.3 %, so they keep the 44-tile rule). 8-bit
-// rows measured no gain from any of the three (search-10k), so they keep
-// S = 1. Either way a grid of several waves ends on split pairs
-// (stream_tail).
 template <typename T, int KS, int MT, bool RK, bool DS>
-void launch_stream_mt(FwdParams p, int64_t mean_ld, int num_sms, cudaStream_t st) {
-  auto kern = stream_fwd_kernel<T, KS, MT, RK, DS>;
-  constexpr bool b16 = !kIsQuant<T>;
-  static const int per_sm = stream_blocks_per_sm(kern, kStreamWarps * 32);
-  // Pairs that fit one wave of 8-warp CTAs (one per SM at d = 128), with
-  // >= 4 tiles per warp: one pair per CTA of kStreamWideWarps warps (16-bit
-  // rows of 128 / 256 bytes). H100, one query, graph us, 4-warp S = 4 ->
-  // 8 warps (session 29): 300 tokens P = 1 6.12 -> 5.49, P = 100 6.48 ->
-  // 6.09, P = 132 6.59 -> 6.38; 1024 tokens P = 1 11.45 -> 8.45, P = 100
-  // 12.21 -> 9.72; 128 tokens (2 tiles per warp) lost 0.1-0.4 us, P = 200
-  // (two waves) 7.4 -> 10.3.
-  if constexpr (b16 && !RK && !DS && (KS == 4 || KS == 8)) {
-    auto wide = stream_fwd_kernel<T, KS, MT, false, false, kStreamWideWarps>;
-    static const int per_sm_wide = stream_blocks_per_sm(wide, kStreamWideWarps * 32);
-    const int64_t wave = (int64_t)per_sm_wide * num_sms;
-    if (p.stream_split == kStreamWideWarps ||
-        (p.stream_split <= 0 && p.P <= wave && (mean_ld + 7) / 8 >= 4 * kStreamWideWarps)) {
-      p.stream_split = kStreamWideWarps;
-      p.stream_tail = 0;
-      p.stream_head_blocks = p.P;
-      MAXSIM_CHECK(p.P <= INT32_MAX, "maxsim: too many pairs (%lld) for one launch", (long long)p.P);
-      if (p.stream_il < 0) p.stream_il = 3;
-      if (p.stream_qsm < 0) p.stream_qsm = 1;
-      p.stream_keep = stream_plain_ctas(p, mean_ld, 0);
-      p.stream_multiwave = p.P > wave;
-      launch_pdl(wide, dim3((unsigned)p.P), dim3(kStreamWideWarps * 32), 0, st, p);
-      return;
-    }
+StreamKernel stream_kernel_nw(const plan::StreamPlan& s) {
+  if constexpr (!kIsQuant<T> && !RK && !DS && (KS == 4 || KS == 8)) {
+    if (s.warps == kStreamWideWarps)
+      return {stream_fwd_kernel<T, KS, MT, false, false, kStreamWideWarps>, kStreamWideWarps * 32};
   }
-  const int64_t slots = (int64_t)per_sm * kStreamWarps * num_sms;
-  if (p.stream_split <= 0) {
-    const int64_t ntile = (mean_ld + 7) / 8;
-    int S = 1;
-    if (b16) {
-      if (p.P <= slots)
-        S = ntile >= 64 || 4 * p.P * 3 <= 2 * slots ? 4
-            : 2 * p.P <= slots || (8 * p.P >= 5 * slots && ntile >= 32) ? 2
-                                                                        : 1;
-      else
-        S = 4 * p.P <= 9 * slots ? 1
-            : ntile >= 44 || (ntile >= 32 && p.layout == kCrossL) ? 4
-            : ntile >= 22 ? 2
-                          : 1;
-    }
-    p.stream_split = S;
-  }
-  if (p.stream_split != 2 && p.stream_split != 4) p.stream_split = 1;
-  // Several waves: the last slots / 2 pairs split over 4 warps each, so the
-  // grid ends on short tasks (H100, sweep of 0-1024 tail pairs: Rerank
-  // -2 to -3 %, HeavyRerank / B64 K100 Ld128 -1 to -1.5 %, int8 10k scan
-  // -1 %, corpus-10k / -30k and rerank-long within 0.2 %; one-wave grids
-  // gain nothing: session 16).
-  if (p.stream_tail < 0) p.stream_tail = p.P * p.stream_split > slots ? slots / 2 : 0;
-  if (p.stream_split == kStreamWarps) p.stream_tail = 0;
-  p.stream_tail = std::min<int64_t>(p.stream_tail, p.P);
-  const auto blocks = [&] {
-    const int64_t per = kStreamWarps / p.stream_split;  // pairs per head CTA
-    p.stream_head_blocks = (p.P - p.stream_tail + per - 1) / per;
-    return p.stream_head_blocks + p.stream_tail;
-  };
-  if (blocks() > INT32_MAX) {
-    p.stream_split = 1;
-    p.stream_tail = 0;
-  }
-  MAXSIM_CHECK(blocks() <= INT32_MAX, "maxsim: too many pairs (%lld) for one launch", (long long)p.P);
-  if (p.stream_il < 0) p.stream_il = b16 ? 3 : 0;  // 16-bit: whole-sector lanes, interleaved tiles
-  if (p.stream_qsm < 0) p.stream_qsm = p.stream_split >= 4 ? 1 : 0;
-  const int64_t wave = (int64_t)per_sm * num_sms;
-  p.stream_multiwave = blocks() > wave;
-  // A dirty L2 (another kernel's writes just before, as after a query
-  // encoder) slows an evict-first scan all through: the dirty lines leave
-  // as it runs. Plain loads write them back up front, at a loss on a clean
-  // L2. So scans of >= 12 waves (shorter ones lost: session 24) load their
-  // first ~2.5 L2 sizes of documents plainly. Session 23 sized that prefix
-  // as one wave, ~122 MB at one warp per pair; at one pair per CTA
-  // (session 26) a wave is ~30 MB. H100, session 30, after a 256 MB memset
-  // / back to back, us, no prefix / one wave / this rule: 10k documents of
-  // 300 tokens 265.6 / 266.5 / 261.6 and 250.5 / 245.5 / 248.5; 20k 515.4
-  // / 509.3 / 501.6 and 491.1 / 485.6 / 488.8; 30k 764.1 / 750.7 / 742.9
-  // and 731.3 / 726.8 / 729.3; 10k of 256 tokens 225.0 / 227.3 / 222.1
-  // and 215.1 / 207.5 / 211.3; 5k of 300 139.5 / 142.2 / 140.5 and 129.4
-  // / 124.4 / 128.0. The one-wave prefix's back-to-back gain is its 30 MB
-  // staying in L2 for the next call on the same inputs. Measured for
-  // 16-bit rows only.
-  int64_t prefix = 0;
-  if (p.stream_keep < 0 && b16 && blocks() >= 12 * wave)
-    prefix = stream_plain_prefix(kStreamWarps / p.stream_split * mean_ld * p.row_bytes);
-  p.stream_keep = stream_plain_ctas(p, mean_ld, prefix);
-  launch_pdl(kern, dim3((unsigned)blocks()), dim3(kStreamWarps * 32), 0, st, p);
+  return {stream_fwd_kernel<T, KS, MT, RK, DS>, kStreamWarps * 32};
 }
 
-template <typename T, int KS, bool RK, bool DS>
-void launch_stream_rows(const FwdParams& p, int64_t mean_ld, int num_sms, cudaStream_t st) {
-  if (p.lq <= 16)
-    launch_stream_mt<T, KS, 1, RK, DS>(p, mean_ld, num_sms, st);
-  else
-    launch_stream_mt<T, KS, 2, RK, DS>(p, mean_ld, num_sms, st);
+template <typename T, int KS, int MT>
+StreamKernel stream_kernel_mode(const plan::StreamPlan& s) {
+  if constexpr (!kIsQuant<T>) {
+    MAXSIM_CHECK(!s.doc_scale, "maxsim: per-document scales take 8-bit tokens");
+    return s.rank ? stream_kernel_nw<T, KS, MT, true, false>(s) : stream_kernel_nw<T, KS, MT, false, false>(s);
+  } else {
+    MAXSIM_CHECK(!s.rank, "maxsim: the fused top-k takes 16-bit tokens");
+    return s.doc_scale ? stream_kernel_nw<T, KS, MT, false, true>(s) : stream_kernel_nw<T, KS, MT, false, false>(s);
+  }
 }
 
 template <typename T, int KS>
-void launch_stream(const FwdParams& p, int64_t mean_ld, int num_sms, cudaStream_t st) {
-  if constexpr (!kIsQuant<T>) {
-    if (p.rank_done != nullptr)
-      launch_stream_rows<T, KS, true, false>(p, mean_ld, num_sms, st);
-    else
-      launch_stream_rows<T, KS, false, false>(p, mean_ld, num_sms, st);
-  } else {
-    MAXSIM_CHECK(p.rank_done == nullptr, "maxsim: the fused top-k takes 16-bit tokens");
-    if (p.d_scale_per_doc)
-      launch_stream_rows<T, KS, false, true>(p, mean_ld, num_sms, st);
-    else
-      launch_stream_rows<T, KS, false, false>(p, mean_ld, num_sms, st);
-  }
+StreamKernel stream_kernel_rows(const plan::StreamPlan& s) {
+  return s.rows == 1 ? stream_kernel_mode<T, KS, 1>(s) : stream_kernel_mode<T, KS, 2>(s);
 }
 
 template <typename T>
-void run_stream_impl(const FwdParams& p, int64_t mean_ld, int num_sms, cudaStream_t st) {
-  switch (p.row_bytes) {
-    case 64: launch_stream<T, 2>(p, mean_ld, num_sms, st); break;
-    case 128: launch_stream<T, 4>(p, mean_ld, num_sms, st); break;
-    case 192: launch_stream<T, 6>(p, mean_ld, num_sms, st); break;
-    case 256: launch_stream<T, 8>(p, mean_ld, num_sms, st); break;
-    default: MAXSIM_CHECK(false, "maxsim: streaming kernel: rows of %lld bytes not supported", (long long)p.row_bytes);
+StreamKernel stream_kernel(const plan::StreamPlan& s) {
+  switch (s.ks) {
+    case 2: return stream_kernel_rows<T, 2>(s);
+    case 4: return stream_kernel_rows<T, 4>(s);
+    case 6: return stream_kernel_rows<T, 6>(s);
+    case 8: return stream_kernel_rows<T, 8>(s);
+    default: MAXSIM_CHECK(false, "maxsim: streaming kernel: rows of %d k steps not supported", s.ks);
   }
+  return {};
 }
+
+// Resident CTAs per SM of the plan's kernel (asked once per kernel).
+template <typename T>
+int stream_kernel_blocks(const plan::StreamPlan& s) {
+  static std::mutex mu;
+  static std::map<void (*)(const FwdParams), int> cache;
+  const StreamKernel k = stream_kernel<T>(s);
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(k.fn);
+  if (it != cache.end()) return it->second;
+  return cache[k.fn] = stream_blocks_per_sm(k.fn, k.threads);
+}
+
+// Launches the plan's kernel; p carries the plan's stream_* fields.
+template <typename T>
+void launch_stream(const plan::StreamPlan& s, const FwdParams& p, cudaStream_t st) {
+  const StreamKernel k = stream_kernel<T>(s);
+  MAXSIM_CHECK(s.blocks <= INT32_MAX, "maxsim: too many pairs (%lld) for one launch", (long long)p.P);
+  launch_pdl(k.fn, dim3((unsigned)s.blocks), dim3(k.threads), 0, st, p);
+}
+
+// Defined for __half / __nv_bfloat16 / int8_t / __nv_fp8_e4m3 in
+// forward_stream.cu.
+template <typename T>
+void run_stream(const plan::StreamPlan& s, const FwdParams& p, cudaStream_t st);
+template <typename T>
+int stream_blocks(const plan::StreamPlan& s);
 
 }  // namespace cuda_fwd
 }  // namespace maxsim

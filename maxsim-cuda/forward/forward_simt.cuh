@@ -13,13 +13,15 @@
 
 #include <c10/cuda/CUDAException.h>
 
-#include "common.cuh"
-#include "convert.cuh"
+#include "../common/common.cuh"
+#include "../common/convert.cuh"
 
 namespace maxsim {
 namespace cuda_fwd {
 
-constexpr int kSimtBM = 64, kSimtBN = 64, kSimtBK = 16, kSimtNTH = 256;
+using plan::kSimtBM;
+using plan::kSimtBN;
+constexpr int kSimtBK = 16, kSimtNTH = 256;
 constexpr int kSimtPitch = 68;  // floats per smem row (16B aligned, fewer conflicts)
 
 using cuda_cvt::to_f;

@@ -1,23 +1,17 @@
 // rescore_topk on CUDA: the exact re-score of search candidates (contract in
-// torch_binding.h). For 16-bit tokens the streaming forward takes the
-// candidates straight from their keys (kKeysL: no decode / cast kernels) and
-// the last CTA of each row ranks the row (rank_rows, forward_stream.cuh):
-// one kernel, plus the zeroed row counters, where the composition launches
-// decode, an int32 cast, the forward, a select and a decode. Elsewhere (fp32
-// tokens, lq > 32, rows the streaming kernel does not take) the
-// composition runs; rows of more than kRankMax = 128 candidates are scored
-// from their keys by the same kernel and ranked by block_topk. Measured on H100
-// (graph, 1 query x 100 candidates of 300 tokens): 10.7 us fused, against
-// 11.8 for the forward plus block_topk alone, and the small kernels and their
-// launches fewer per search (int8 + re-score at 10k documents, oversample 1:
-// 0.1699 -> 0.1643-0.1648 ms; 4: 0.1836 -> 0.1820; session 19). With
-// dependent launches and the count as one acq_rel atomic (session 20): 9.7
-// us fused, the search at oversample 1 0.1621-0.1623 ms.
+// torch_binding.h). Where the planner gives it the streaming kernel (16-bit
+// tokens, lq <= 32), that kernel takes the candidates straight from their
+// keys (kKeysL: no decode / cast kernels) and the last CTA of each row ranks
+// the row (rank_rows, forward_stream.cuh): one kernel, plus the zeroed row
+// counters, where the composition launches decode, an int32 cast, the
+// forward, a select and a decode. Rows of more than kRankMax candidates are
+// scored from their keys by the same kernel and ranked by block_topk.
+// Elsewhere the composition runs.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
-#include "forward_stream.cuh"
-#include "fwd_params.h"
+#include "../forward/forward_stream.cuh"
+#include "../common/fwd_params.h"
 #include "rescore_compose.h"
 #include "torch_binding.h"
 
@@ -44,49 +38,55 @@ std::tuple<at::Tensor, at::Tensor> rescore_topk_cuda(const at::Tensor& q, const 
   c10::cuda::CUDAGuard guard(q.device());
   const int64_t Nq = keys.size(0), kc = keys.size(1), Nd = d_start.numel();
   const auto t = q.scalar_type();
-  const auto* prop = at::cuda::getCurrentDeviceProperties();
   const bool b16 = (t == at::kHalf || t == at::kBFloat16) && d.scalar_type() == t;
   const bool idx = [&] {
     for (const at::Tensor* x : {&q_start, &q_len, &d_start, &d_len})
       if (!(x->is_cuda() && x->scalar_type() == at::kInt && x->dim() == 1 && x->is_contiguous())) return false;
     return q_len.numel() == Nq && d_len.numel() == Nd;
   }();
-  const bool shape = q.dim() == 2 && d.dim() == 2 && q.size(1) == d.size(1) && lq >= 1 && lq <= 32;
-  const int64_t mean_ld = Nd > 0 ? d.size(0) / Nd : 0;
-  const bool stream_ok =
-      b16 && idx && shape && k > 0 && kc >= 1 && Nq >= 1 && Nq * kc <= INT32_MAX && prop->major >= 8 && mean_ld <= 4096;
-  if (!stream_ok)
+  const bool shape = q.dim() == 2 && d.dim() == 2 && q.size(1) == d.size(1);
+  const auto composed = [&] {
     return rescore_topk_composed(&forward_cuda, &block_topk_cuda, &decode_keys_cuda, q, q_start, q_len, q_mask, d,
                                  d_start, d_len, d_mask, keys, lq, k);
+  };
+  if (!(b16 && idx && shape && k > 0)) return composed();
   const at::Tensor qc = q.contiguous(), dc = d.contiguous(), kk = keys.contiguous();
+  plan::Request rq;
+  rq.layout = plan::kKeys;
+  rq.Nq = Nq;
+  rq.Nd = Nd;
+  rq.Tq = qc.size(0);
+  rq.Td = dc.size(0);
+  rq.P = Nq * kc;
+  rq.lq = lq;
+  rq.dim = qc.size(1);
+  rq.dtype = plan_dtype(t);
+  rq.rank = kc <= kRankMax;
+  rq.ptr_align = ptr_align(qc.data_ptr(), dc.data_ptr());
+  const plan::Plan pl = plan::plan_forward(rq, cuda_device_facts());
+  if (pl.family != plan::Family::kStream) return composed();
   const at::Tensor qm = token_mask(q_mask, qc.size(0), "maxsim: q_mask must be [Tq]");
   const at::Tensor dm = token_mask(d_mask, dc.size(0), "maxsim: d_mask must be [Td]");
   FwdParams p{};
   set_segments(p, qc, q_start, q_len, qm, dc, d_start, d_len, dm);
   p.pair_keys = kk.data_ptr<int64_t>();
   p.pair_kc = kc;
-  p.P = Nq * kc;
+  p.P = rq.P;
   p.K = 1;
   p.layout = kKeysL;
   p.lq = (int)lq;
-  if (!stream_shape_ok(t, lq, false, false, prop->major * 10 + prop->minor, p))
-    return rescore_topk_composed(&forward_cuda, &block_topk_cuda, &decode_keys_cuda, q, q_start, q_len, q_mask, d,
-                                 d_start, d_len, d_mask, keys, lq, k);
+  set_stream_plan(p, pl);
   auto fopts = qc.options().dtype(at::kFloat);
   at::Tensor scores = at::empty({p.P}, fopts);
-  // The launcher's heuristics, as for a forward.
-  p.stream_split = 0;
-  p.stream_il = p.stream_qsm = p.stream_keep = -1;
-  p.stream_tail = -1;
   p.scores = scores.data_ptr<float>();
   auto stream = at::cuda::getCurrentCUDAStream();
   const auto run = [&] {
     if (t == at::kHalf)
-      run_stream<__half>(p, mean_ld, prop->multiProcessorCount, stream);
+      run_stream<__half>(pl.stream, p, stream);
     else
-      run_stream<__nv_bfloat16>(p, mean_ld, prop->multiProcessorCount, stream);
+      run_stream<__nv_bfloat16>(pl.stream, p, stream);
   };
-  if (kc > kRankMax) {  // scores from the keys, then a select (measured faster than the fused rank here)
+  if (!rq.rank) {  // scores from the keys, then a select (faster than the fused rank for long rows)
     run();
     return top_k_decoded(&block_topk_cuda, &decode_keys_cuda, scores.view({Nq, kc}), std::get<1>(decode_keys_cuda(kk)),
                          k);

@@ -16,10 +16,10 @@
 // No argmax, no normalize, no 8-bit tokens.
 #pragma once
 
-#include "common.cuh"
-#include "forward_stream.cuh"
+#include "../common/common.cuh"
+#include "../forward/forward_stream.cuh"
 #include "forward_wgmma.cuh"
-#include "pdl.cuh"
+#include "../common/pdl.cuh"
 
 namespace maxsim {
 namespace cuda_fwd {
@@ -76,14 +76,13 @@ __device__ __forceinline__ void cp_async_pol(uint32_t dst, const void* src, int 
 }
 #endif  // MAXSIM_WG_DEVICE
 
-constexpr int kStreamWgThreads = 128;  // one warpgroup
-constexpr int kStreamWgTokens = 64;    // tokens per stage (wgmma M)
+using plan::kStreamWgThreads;  // one warpgroup
+using plan::kStreamWgTokens;   // tokens per stage (wgmma M)
 
-// Dynamic shared memory of a CTA: NST document stages and the query tile,
-// nothing else (the CTA's only shared memory, so its base is the 1024-byte
-// aligned start the swizzle needs; at NST = 3 and 256-byte rows, 56 KB: four
-// CTAs per SM on an H100).
-constexpr int stream_wg_smem(int ks, int nq, int nst) { return (nst * kStreamWgTokens + nq) * ks * 32; }
+// Dynamic shared memory of a CTA (plan::stream_wg_smem): NST document stages
+// and the query tile, nothing else (the CTA's only shared memory, so its base
+// is the 1024-byte aligned start the swizzle needs).
+using plan::stream_wg_smem;
 
 // KS: 32-byte k steps per row (4 or 8); NQ: query rows per tile (16, 32,
 // or 64 / 128 for lq 33-128);
@@ -231,22 +230,15 @@ __global__ void __launch_bounds__(kStreamWgThreads) stream_wg_kernel(const FwdPa
 #endif
 }
 
-// Whether the kernel can take this forward (host side; forward.cu has
-// already chosen the streaming path for it). One query against documents,
-// per-query candidates and pair lists (then a pair scores bitwise as in the
-// padded layouts; the search re-score, rescore_topk, stays on the mma.sync
-// stream's k order and differs from it in the last bits).
-inline bool stream_wg_ok(at::ScalarType t, int sm, const FwdParams& p) {
-  return sm == 90 && (t == at::kHalf || t == at::kBFloat16) && (p.row_bytes == 128 || p.row_bytes == 256) &&
-         p.rank_done == nullptr && (p.layout == kCrossL || p.layout == kGroupedL || p.layout == kListL) && p.P <= INT32_MAX;
-}
-
-// Defined for __half / __nv_bfloat16 in forward_stream_wg.cu. nst > 0:
-// run with that many document stages (3, 4 or 5); else the launcher's
-// choice, which returns false where the mma.sync stream is to take the
-// forward instead.
+// Defined for __half / __nv_bfloat16 in forward_stream_wg.cu: the plan's
+// kernel (KS, NQ, stages) over one pair per CTA, and its resident CTAs per SM.
+// One query against documents, per-query candidates and pair lists (a pair
+// scores bitwise as in the padded layouts); the search re-score stays on the
+// mma.sync stream's k order.
 template <typename T>
-bool run_stream_wg(const FwdParams& p, int nst, int64_t mean_ld, int num_sms, cudaStream_t st);
+void run_stream_wg(const plan::StreamWgPlan& w, const FwdParams& p, cudaStream_t st);
+template <typename T>
+int stream_wg_blocks(int ks, int nq);
 
 }  // namespace cuda_fwd
 }  // namespace maxsim

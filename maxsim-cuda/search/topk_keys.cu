@@ -6,13 +6,13 @@
 // block_topk, k < 1024: each CTA takes a chunk of up to 12288 keys and
 // selects its top k (topk_select.cuh); rows longer than a chunk repeat the
 // select over the chunks' winners. A torch topk over 10k int64 keys is a
-// multi-pass radix select of several launches (~0.1 ms on H100, more than a
-// 10k-doc int8 scan).
+// multi-pass radix select of several launches (longer than a 10k-document
+// int8 scan).
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include "search_keys.h"
-#include "smem_opt_in.h"
+#include "../common/smem_opt_in.h"
 #include "topk_select.cuh"
 #include "torch_binding.h"
 

@@ -1,0 +1,215 @@
+"""The CUDA forward planner (torch-ext/forward_plan.h), checked on the CPU
+through the plan_forward op and ``maxsim.explain``: the benchmark matrix maps
+to the kernels the CUDA forward runs for it on sm_90a (132 SMs) and sm_80
+(108 SMs), and every tile configuration the planner can return is built."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_gpu import DIM, FORWARD, TRAIN  # noqa: E402
+
+CROSS, GROUPED, LIST = 0, 1, 2
+
+
+def plan(ms, layout, nq, nd, lq, ld, *, dim=128, dtype=torch.bfloat16, arch=90, sms=None, argmax=False,
+         tf32=False, normalize=False, quant=False, uniform_doc_scales=False, align=16, force=""):
+    """The plan of nq queries of lq rows against nd documents of ld tokens
+    (GROUPED: nd documents in all, nd / nq per query; LIST: nd pairs)."""
+    pairs = nq * nd if layout == CROSS else nd
+    words = ms.ops.plan_forward(layout, nq, nd, nq * lq, nd * ld, pairs, lq, dim, dtype, quant,
+                                uniform_doc_scales, argmax, tf32, normalize, align, arch,
+                                -1 if sms is None else sms, force)
+    out = {}
+    for word in words.split():
+        key, _, value = word.partition("=")
+        out[key] = value if key == "family" else int(value)
+    return out
+
+
+# The benchmark matrix (benchmarks/bench_gpu.py, dim 128 bf16) and the
+# (family, mma config) each architecture runs for it: forward rows, and the
+# training rows' forward (scores with argmax for the backward).
+BENCH_DIM = 128
+ON_SM90A = {"rerank-colpali": ("wgmma", -1), "colpali-10k": ("wgmma", -1), "allpairs-128": ("wgmma", -1)}
+ON_SM80 = {"rerank-medium": ("mma", 2), "rerank-colpali": ("mma", 2), "colpali-10k": ("mma", 2),
+           "allpairs-128": ("mma", 2)}
+
+
+def _expected(name, arch):
+    if arch == 90:
+        return ON_SM90A.get(name, ("stream_wg", -1))
+    return ON_SM80.get(name, ("stream", -1))
+
+
+def _bench_plan(ms, shape, arch, sms, argmax=False):
+    kind, n, k, lq, ld = shape
+    if kind == "shared":
+        return plan(ms, CROSS, n, k, lq, ld, arch=arch, sms=sms, argmax=argmax)
+    return plan(ms, GROUPED, n, n * k, lq, ld, arch=arch, sms=sms, argmax=argmax)
+
+
+@pytest.mark.parametrize("name", FORWARD)
+@pytest.mark.parametrize("arch,sms", [(90, 132), (80, 108)], ids=["sm90a-132", "sm80-108"])
+def test_benchmark_forward_kernels(ms, name, arch, sms):
+    assert DIM == BENCH_DIM
+    p = _bench_plan(ms, FORWARD[name], arch, sms)
+    assert (p["family"], p.get("cfg", -1)) == _expected(name, arch), p
+    assert p["arch"] == arch and p["sm_count"] == sms
+
+
+@pytest.mark.parametrize("name", TRAIN)
+@pytest.mark.parametrize("arch,sms", [(90, 132), (80, 108)], ids=["sm90a-132", "sm80-108"])
+def test_benchmark_train_kernels(ms, name, arch, sms):
+    nq, nd, lq, ld = TRAIN[name]
+    p = plan(ms, CROSS, nq, nd, lq, ld, arch=arch, sms=sms, argmax=True)
+    assert (p["family"], p.get("cfg", -1)) == (("wgmma", -1) if arch == 90 else ("mma", 2)), p
+
+
+def test_bench_details_sm90(ms):
+    # The staged stream's kernel shape: 256-byte rows (8 k steps), 32 query rows.
+    p = _bench_plan(ms, FORWARD["rerank-short"], 90, 132)
+    assert (p["ks"], p["nq"], p["stages"], p["grid"]) == (8, 32, 4, 1000)
+    p = _bench_plan(ms, FORWARD["rerank-medium"], 90, 132)
+    assert (p["ks"], p["nq"]) == (8, 128)
+    # Stacked CROSS queries finish in the several-queries instantiation.
+    p = _bench_plan(ms, FORWARD["allpairs-128"], 90, 132)
+    assert (p["qpt"], p["multi"], p["nkb"], p["scale"], p["row_mode"]) == (4, 1, 2, 0, 0), p
+    # colpali: 8 tiles of 128 query rows per (query, document), summed by the finalize kernel.
+    p = _bench_plan(ms, FORWARD["colpali-10k"], 90, 132)
+    assert (p["tpq"], p["row_mode"], p["splits"], p["items"]) == (8, 1, 1, 80000), p
+
+
+def test_stream_rules(ms):
+    # Documents shorter than a stage, and fewer than 32 pairs, stay on the mma.sync stream.
+    assert plan(ms, CROSS, 1, 1000, 32, 32)["family"] == "stream"
+    assert plan(ms, CROSS, 1, 16, 32, 300)["family"] == "stream"
+    assert plan(ms, CROSS, 1, 64, 32, 300)["family"] == "stream_wg"
+    # Pair lists of 16-bit tokens stream; several CROSS queries take the tile kernels.
+    assert plan(ms, LIST, 8, 500, 32, 300)["family"] == "stream_wg"
+    assert plan(ms, LIST, 8, 500, 32, 300, arch=80)["family"] == "stream"
+    assert plan(ms, CROSS, 4, 500, 32, 300, arch=80) == plan(ms, CROSS, 4, 500, 32, 300, arch=80, force="")
+    assert plan(ms, CROSS, 4, 500, 32, 300, arch=80)["family"] == "mma"
+    # Longer documents than the streaming kernels take: the tile kernels' splits.
+    assert plan(ms, CROSS, 1, 8, 32, 8192, arch=80)["family"] == "mma"
+    # argmax, normalize and fp32 never stream.
+    for kw in (dict(argmax=True), dict(normalize=True), dict(dtype=torch.float32)):
+        assert plan(ms, CROSS, 1, 1000, 32, 300, **kw)["family"] not in ("stream", "stream_wg"), kw
+    # Rows the streaming kernels cannot read: odd widths, unaligned tokens.
+    assert plan(ms, CROSS, 1, 1000, 32, 300, dim=96 // 2 * 3)["family"] == "mma"
+    assert plan(ms, CROSS, 1, 1000, 32, 300, align=8)["family"] == "mma"
+
+
+def test_long_query_stream_rule(ms):
+    # lq 33-128, one query: the staged stream, except few pairs of documents past 1024 tokens.
+    assert plan(ms, CROSS, 1, 16, 48, 2048)["family"] == "mma"
+    assert plan(ms, CROSS, 1, 16, 48, 2048)["cfg"] == 1
+    p = plan(ms, CROSS, 1, 40, 48, 4096)
+    assert (p["family"], p["nq"]) == ("stream_wg", 64)
+    assert plan(ms, CROSS, 1, 1000, 100, 300)["nq"] == 128
+
+
+def test_quantized_paths(ms):
+    i8 = dict(dtype=torch.int8, quant=True)
+    # One query streams 8-bit documents; per-query candidates of 8-bit tokens take the tile kernels.
+    p = plan(ms, CROSS, 1, 10000, 32, 300, **i8)
+    assert (p["family"], p["ks"]) == ("stream", 4), p
+    assert plan(ms, GROUPED, 32, 1600, 32, 180, **i8)["family"] == "mma"
+    # Full 128-row tiles on sm_90a: wgmma, one scale per document where promised (scores only).
+    p = plan(ms, CROSS, 8, 1000, 32, 300, uniform_doc_scales=True, **i8)
+    assert (p["family"], p["scale"]) == ("wgmma", 2), p
+    assert plan(ms, CROSS, 8, 1000, 32, 300, argmax=True, uniform_doc_scales=True, **i8)["scale"] == 1
+    assert plan(ms, CROSS, 8, 1000, 32, 300, **i8)["scale"] == 1
+    # fp8 argmax stays on mma.sync (exact products).
+    e4 = dict(dtype=torch.float8_e4m3fn, quant=True)
+    assert plan(ms, CROSS, 8, 1000, 32, 300, **e4)["family"] == "wgmma"
+    assert plan(ms, CROSS, 8, 1000, 32, 300, argmax=True, **e4)["family"] == "mma"
+    # 8-bit rows must be 4-byte aligned.
+    with pytest.raises(RuntimeError, match="4-byte aligned"):
+        plan(ms, CROSS, 8, 1000, 32, 300, dim=126, **i8)
+
+
+def test_tile_kernel_rules(ms):
+    # fp32 exact: SIMT; tf32: the tensor cores.
+    assert plan(ms, CROSS, 8, 100, 32, 300, dtype=torch.float32)["family"] == "simt"
+    assert plan(ms, CROSS, 8, 100, 32, 300, dtype=torch.float32, tf32=True, arch=80)["cfg"] == 2
+    # Stacked CROSS queries pick the narrowest tile holding them.
+    assert plan(ms, CROSS, 2, 100, 16, 300, arch=80)["cfg"] == 0
+    assert plan(ms, CROSS, 2, 100, 32, 300, arch=80)["cfg"] == 1
+    assert plan(ms, CROSS, 2, 100, 48, 300, arch=80)["cfg"] == 2
+    # A resident query tile too wide for shared memory: narrower tiles, then SIMT.
+    assert plan(ms, CROSS, 1, 100, 128, 300, dim=1024, arch=90)["cfg"] == 1
+    assert plan(ms, CROSS, 1, 100, 128, 300, dim=1024, arch=86)["family"] == "simt"
+    # normalize: the query tile's rows scaled, the documents' norms from the
+    # mma.sync kernel's fragments (no pre-pass) or a pre-pass (wgmma).
+    assert plan(ms, CROSS, 1, 1000, 32, 300, normalize=True)["family"] == "mma"
+    assert plan(ms, CROSS, 8, 1000, 32, 300, normalize=True)["scale"] == 1
+    # Few work items, long documents: split over the SMs into per-row partials.
+    p = plan(ms, CROSS, 2, 2, 48, 4096, arch=80)
+    assert p["splits"] > 1 and p["row_mode"] == 2, p
+
+
+def test_force(ms):
+    assert plan(ms, CROSS, 4, 500, 32, 300, force="stream")["family"] == "stream"
+    assert plan(ms, CROSS, 1, 1000, 32, 300, force="stream")["family"] == "stream"
+    assert plan(ms, CROSS, 1, 1000, 32, 300, force="simt")["family"] == "simt"
+    assert plan(ms, CROSS, 1, 10, 32, 300, force="wgmma")["family"] == "wgmma"
+    assert plan(ms, CROSS, 1, 10, 32, 300, force="stream_wg")["family"] == "stream_wg"
+    with pytest.raises(RuntimeError, match="unknown family"):
+        plan(ms, CROSS, 1, 10, 32, 300, force="fast")
+
+
+def test_every_plan_is_built(ms):
+    """The planner returns only tile configurations and stream stages that are
+    instantiated (plan::kMmaConfigs, plan::kStreamWgStages)."""
+    seen = set()
+    dims = (16, 64, 96, 128, 256, 1024)
+    grid = itertools.product((90, 86, 80), (CROSS, GROUPED, LIST), (1, 2, 3, 5, 64),
+                             (1, 8, 16, 17, 32, 33, 48, 64, 65, 96, 128, 129, 300), dims,
+                             (torch.bfloat16, torch.float32), (False, True))
+    for arch, layout, nq, lq, dim, dtype, argmax in grid:
+        p = plan(ms, layout, nq, nq * 10, lq, 200, dim=dim, dtype=dtype, arch=arch, argmax=argmax,
+                 tf32=dtype == torch.float32)
+        if p["family"] in ("mma",):
+            assert 0 <= p["cfg"] < p["mma_configs"], p
+            seen.add(p["cfg"])
+        if p["family"] == "stream_wg":
+            assert p["stages"] == 4
+    assert seen == set(range(3)), seen
+
+
+def test_explain(ms):
+    Q = torch.randn(1, 32, 128, dtype=torch.bfloat16)
+    D = torch.randn(1000, 300, 128, dtype=torch.bfloat16, device="meta")
+    assert ms.explain(Q, D)["family"] == "stream_wg"
+    assert ms.explain(Q, D, arch="8.0", sm_count=108)["family"] == "stream"
+    assert ms.explain(Q, D, arch="sm_80")["sm_count"] == 108
+    assert ms.explain(Q, D, force="simt")["family"] == "simt"
+    Qs = torch.randn(32, 32, 128, dtype=torch.bfloat16, requires_grad=True)
+    Ds = torch.randn(32, 80, 128, dtype=torch.bfloat16)
+    p = ms.explain(Qs, Ds)
+    assert p["family"] == "wgmma"
+    with torch.no_grad():
+        assert ms.explain(Qs, Ds)["family"] == "wgmma"
+    # Candidates per query ([Nq, K, Ld, d]) plan as the padded layout.
+    Dk = torch.randn(32, 50, 180, 128, dtype=torch.bfloat16, device="meta")
+    assert ms.explain(torch.randn(32, 32, 128, dtype=torch.bfloat16), Dk)["family"] == "stream_wg"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_explain_on_device(ms):
+    """On a CUDA tensor the plan is the device's (runtime occupancy)."""
+    Q = torch.randn(1, 32, 128, dtype=torch.bfloat16, device="cuda")
+    D = torch.randn(100, 300, 128, dtype=torch.bfloat16, device="cuda")
+    p = ms.explain(Q, D)
+    major, minor = torch.cuda.get_device_capability()
+    assert p["arch"] == major * 10 + minor
+    assert p["sm_count"] == torch.cuda.get_device_properties(0).multi_processor_count
+    assert p["family"] in ("stream", "stream_wg")
