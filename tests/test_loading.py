@@ -13,9 +13,6 @@ import torch
 
 from conftest import ROOT
 
-# The CUDA variant carries no CPU kernels (neither does a kernel-builder CUDA
-# build): CPU tensors there take the PyTorch reference.
-CUDA_VARIANT = torch.version.cuda is not None
 
 
 def test_variant_metadata_and_digest():
@@ -46,8 +43,6 @@ def test_get_kernel_with_local_kernels_env():
 @pytest.mark.parametrize("op", ["forward", "backward", "rescore_topk"])
 def test_compiled_kernels_serve_present_devices(ms, device, op):
     key = {"cpu": "CPU", "cuda": "CUDA", "mps": "MPS"}[device]
-    if key == "CPU" and CUDA_VARIANT:
-        pytest.skip("the CUDA variant serves CPU tensors with the reference (test_cpu_tensors_on_the_cuda_variant)")
     if (op, key) == ("backward", "CUDA") and (op, key) in ms.FALLBACKS:
         pytest.xfail("the CUDA backward kernel is not built yet")
     assert (op, key) not in ms.FALLBACKS, f"{device} {op} falls back to the PyTorch reference"
@@ -55,16 +50,19 @@ def test_compiled_kernels_serve_present_devices(ms, device, op):
 
 
 
-@pytest.mark.skipif(not CUDA_VARIANT, reason="the CUDA variant only")
-def test_cpu_tensors_on_the_cuda_variant(ms):
-    """What a user of a GPU install gets for CPU tensors: the reference
-    fallback, named in a warning, with the reference's scores and gradients."""
-    for op in ("forward", "forward_train", "backward", "rescore_topk"):
-        assert (op, "CPU") in ms.FALLBACKS
+def test_cpu_tensors_get_compiled_kernels_on_every_variant(ms):
+    """The CPU kernels are [torch] sources, so a GPU install serves CPU
+    tensors with them too: no fallback, no warning, the reference's scores
+    and gradients."""
+    import warnings
+
+    for op in ("forward", "forward_train", "backward", "rescore_topk", "segments", "quantize"):
+        assert (op, "CPU") not in ms.FALLBACKS
     g = torch.Generator().manual_seed(0)
     Q = torch.randn(3, 5, 16, generator=g, requires_grad=True)
     D = torch.randn(4, 7, 16, generator=g)
-    with pytest.warns(UserWarning, match="no compiled forward kernel for cpu"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         scores = ms.maxsim(Q, D)
     expected = ms.maxsim_reference(Q.detach(), D).to(scores.dtype)
     torch.testing.assert_close(scores, expected)

@@ -91,17 +91,10 @@ def sources(cfg: dict, backend: str) -> list[Path]:
     return [f for f in all_files(cfg, backend) if f.suffix in (".cpp", ".cu", ".mm")]
 
 
-def carries_cpu_kernels(backend: str) -> bool:
-    """The CPU kernels come with the CPU variant and the local Metal one; the
-    CUDA variant has what a kernel-builder CUDA build has (CPU tensors take
-    the reference fallback there)."""
-    return backend in ("cpu", "metal")
-
-
 def all_files(cfg: dict, backend: str) -> list[Path]:
     files = [ROOT / s for s in cfg["torch"]["src"]]
     for kernel in cfg.get("kernel", {}).values():
-        if kernel["backend"] == backend or (kernel["backend"] == "cpu" and carries_cpu_kernels(backend)):
+        if kernel["backend"] == backend:
             files += [ROOT / s for s in kernel["src"]]
     return files
 
@@ -231,7 +224,7 @@ def build(backend: str, out: Path, verbose: bool, digest_in: str) -> Path:
     gen = generated_headers(cache)
 
     include = [str(gen), str(ROOT / "torch-ext")] + sorted({str(f.parent) for f in files})
-    cflags = ["-O3", "-std=c++17", "-fopenmp"] + (["-DCPU_KERNEL"] if carries_cpu_kernels(backend) else [])
+    cflags = ["-O3", "-std=c++17", "-fopenmp"] + (["-DCPU_KERNEL"] if backend == "cpu" else [])
     if os.environ.get("MAXSIM_NATIVE", "0") == "1":
         # Opt-in only: an artifact tuned for this CPU crashes on older ones.
         cflags.append("-march=native")

@@ -43,7 +43,7 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
       "bool quant, bool uniform_doc_scales, bool argmax, bool tf32, bool normalize, int ptr_align, int arch, "
       "int sm_count, str force) -> str",
       &maxsim::plan_forward);
-#if defined(CPU_KERNEL)
+  // The CPU kernels are [torch] sources: every variant has them.
   ops.impl("forward", torch::kCPU, &maxsim::forward_cpu);
   ops.impl("forward_train", torch::kCPU, &maxsim::forward_cpu);
   ops.impl("forward_quant", torch::kCPU, &maxsim::forward_quant_cpu);
@@ -53,7 +53,6 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.impl("rescore_topk", torch::kCPU, &maxsim::rescore_topk_cpu);
   ops.impl("backward", torch::kCPU, &maxsim::backward_cpu);
   ops.impl("segments", torch::kCPU, &maxsim::segments_cpu);
-#endif
 #if defined(CUDA_KERNEL)
   ops.impl("forward", torch::kCUDA, &maxsim::forward_cuda);
   ops.impl("forward_train", torch::kCUDA, &maxsim::forward_cuda);

@@ -155,11 +155,9 @@ std::string plan_forward(int64_t layout, int64_t nq, int64_t nd, int64_t tq, int
                          bool tf32, bool normalize, int64_t ptr_align, int64_t arch, int64_t sm_count,
                          std::string force);
 
-// kernel-builder defines one of CPU_KERNEL / CUDA_KERNEL / METAL_KERNEL per
-// build variant, and so does the local builder (tools/build.py) for the CPU
-// and CUDA variants: CPU tensors on the CUDA variant take the reference
-// fallback (maxsim/_registry.py).
-#if defined(CPU_KERNEL)
+// The CPU kernels (maxsim-cpu/) are [torch] sources, compiled into every
+// variant; kernel-builder defines one of CPU_KERNEL / CUDA_KERNEL /
+// METAL_KERNEL per variant for the device kernels.
 ForwardFn forward_cpu;
 ForwardQuantFn forward_quant_cpu;
 QuantizeFn quantize_cpu;
@@ -168,7 +166,6 @@ DecodeKeysFn decode_keys_cpu;
 RescoreTopkFn rescore_topk_cpu;
 BackwardFn backward_cpu;
 SegmentsFn segments_cpu;
-#endif
 #if defined(CUDA_KERNEL)
 ForwardFn forward_cuda;
 ForwardQuantFn forward_quant_cuda;
