@@ -23,9 +23,10 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench_results"
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 IMPLS = ["maxsim", "lik", "flash-maxsim", "naive"]
-# Files with their own tables (or none: the read-only replicas of read_floor.py --replica).
+# Files with their own tables (or none: the read-only replicas of read_floor.py --replica;
+# the client benchmark, tabled in docs/integrations.md).
 SPECIAL = ("-search.json", "-normalize.json", "-packed.json", "-read-floor.json", "-distributed.json",
-           "-read-replica.json")
+           "-read-replica.json", "-clients.json")
 
 
 def fmt(v, nd=3):

@@ -332,7 +332,16 @@ def test_emulator_reports_misuse(emu):
     the emulator's error paths, and a crash in one of them would otherwise end
     the whole test run. Fibers find a deadlock at once; OS threads (the
     fallback where fibers are unavailable or crash) by timeout."""
-    r = _child(_fiber_mode(), "t._misuse(m); print('misuse: ok')")
+    mode = _fiber_mode()
+    r = _child(mode, "t._misuse(m); print('misuse: ok')")
+    if mode == "fibers" and r.returncode < 0:
+        # Fibers that passed the probe but crash on a later try are not
+        # reliable here either: the rest of the module runs on OS threads.
+        warnings.warn(f"metal emulator: fibers crashed (signal {-r.returncode}) after passing the probe; "
+                      "running the emulator tests with OS threads")
+        _STATE["mode"] = "threads"
+        emu.configure(mode="threads")
+        r = _child("threads", "t._misuse(m); print('misuse: ok')")
     assert r.returncode == 0 and "misuse: ok" in r.stdout, (
         f"exit status {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
 
