@@ -27,6 +27,20 @@ F32 = torch.float32
 MASK_DTYPES = [torch.bool, torch.int64, torch.float32]
 
 
+@pytest.fixture(autouse=True)
+def hosts_auto_is_exact(monkeypatch):
+    """The hosts' ``auto`` backend is their exact torch code here: on a GPU it
+    would otherwise pick flash-maxsim / late-interaction-kernels where
+    installed (TF32-level error), and these tests compare with the host's
+    exact fp32 path. Done through the hosts' own availability checks."""
+    from colpali_engine.utils import _lik_backend as colpali_lik
+    from pylate.scores import _flash_backend as pylate_flash
+    from pylate.scores import _lik_backend as pylate_lik
+
+    for mod in (colpali_lik, pylate_flash, pylate_lik):
+        monkeypatch.setattr(mod, "is_available", lambda: False)
+
+
 @pytest.fixture
 def ip(ms):
     yield ms.integrations.pylate
@@ -362,7 +376,9 @@ def test_reroute_any_signature(ms):
 def test_import_transformers_keeps_hub_kernels():
     """transformers 5.3 builds unpinned kernel repositories, which kernels >=
     0.16 rejects; after ``import_transformers()`` transformers imports with
-    its hub kernels enabled (not hidden), and ``kernels`` is left as it was."""
+    its hub kernels enabled (not hidden), and ``kernels`` is left as it was.
+    Releases without the clash (newer transformers, whose hub-kernel internals
+    differ) only have to import."""
     script = f"""
 from pathlib import Path
 import kernels
@@ -370,17 +386,19 @@ import_transformers = kernels.get_local_kernel(Path({str(ROOT)!r})).integrations
 classes = kernels.LayerRepository, getattr(kernels, "FuncRepository", None)
 try:
     import transformers.integrations.hub_kernels
-    print("clash False")
+    clash = False
 except ValueError:
-    print("clash True")
+    clash = True
+print("clash", clash)
 import_transformers()
 import transformers.integrations.hub_kernels as hub
-assert hub._kernels_available and hub._kernels_enabled, "hub kernels disabled"
-assert hub.get_kernel_hub is kernels.get_kernel
 assert (kernels.LayerRepository, getattr(kernels, "FuncRepository", None)) == classes
-repo = hub._KERNEL_MAPPING["MultiScaleDeformableAttention"]["cuda"]
-assert isinstance(repo, kernels.LayerRepository)
-print("revision", repo._revision, repo._version)
+if clash:  # the release this works around: check its hub kernels stay on
+    assert hub._kernels_available and hub._kernels_enabled, "hub kernels disabled"
+    assert hub.get_kernel_hub is kernels.get_kernel
+    repo = hub._KERNEL_MAPPING["MultiScaleDeformableAttention"]["cuda"]
+    assert isinstance(repo, kernels.LayerRepository)
+    print("revision", repo._revision, repo._version)
 import pylate.scores, colpali_engine.utils.maxsim
 print("ok")
 """
