@@ -117,7 +117,7 @@ def train_impls(ms, pe, lq, ld):
             seg["q"] = sc._uniform_segments(Q.shape[0], lq, Q.device)
             seg["d"] = sc._uniform_segments(D.shape[0], ld, D.device)
         return ms.ops.forward_train(Q, *seg["q"], None, D, *seg["d"], None, None, None,
-                                    ms.reference.CROSS, lq, 2, False, False)[0]
+                                    ms.reference.CROSS, lq, 2, 0, False)[0]
 
     impls["maxsim-op"] = op
     return impls

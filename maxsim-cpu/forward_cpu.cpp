@@ -294,7 +294,7 @@ std::tuple<at::Tensor, at::Tensor> forward_cpu(
     const at::Tensor& d_start, const at::Tensor& d_len,
     const std::optional<at::Tensor>& d_mask, const std::optional<at::Tensor>& pair_q,
     const std::optional<at::Tensor>& pair_d, int64_t layout, int64_t lq,
-    int64_t argmax_kind, bool /*tf32: exact fp32 only on CPU*/, bool normalize) {
+    int64_t argmax_kind, int64_t /*precision: the CPU is exact (fp32 products, fp64 for fp64)*/, bool normalize) {
   TORCH_CHECK(q.device().is_cpu() && d.device().is_cpu(), "maxsim forward_cpu: CPU tensors expected");
   TORCH_CHECK(q.dim() == 2 && d.dim() == 2 && q.size(1) == d.size(1),
               "maxsim forward_cpu: q and d must be [T, dim] with the same dim");

@@ -256,7 +256,7 @@ std::tuple<at::Tensor, at::Tensor> forward_mps(
     const std::optional<at::Tensor>& q_mask, const at::Tensor& d, const at::Tensor& d_start,
     const at::Tensor& d_len, const std::optional<at::Tensor>& d_mask,
     const std::optional<at::Tensor>& pair_q, const std::optional<at::Tensor>& pair_d, int64_t layout,
-    int64_t lq, int64_t argmax_kind, bool /*tf32: fp32 is always exact on Metal*/, bool normalize) {
+    int64_t lq, int64_t argmax_kind, int64_t /*precision: fp32 is always exact on Metal*/, bool normalize) {
   // normalize: the composite form (normalize_rows.h), normalised fp32 copies.
   const at::Tensor qn = normalize ? normalized_rows(q) : q, dn = normalize ? normalized_rows(d) : d;
   auto plan = metal_host::plan_forward(qn, q_start, q_len, q_mask, dn, d_start, d_len, d_mask, pair_q, pair_d,

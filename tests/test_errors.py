@@ -137,7 +137,7 @@ def test_op_level_checks_raise(ms, device):
     def i32(*v):
         return torch.tensor(v, dtype=torch.int32, device=device)
 
-    args = [q, i32(0), i32(4), None, d, i32(0), i32(6), None, None, None, 0, 4, 0, False, False]
+    args = [q, i32(0), i32(4), None, d, i32(0), i32(6), None, None, None, 0, 4, 0, 0, False]
     bad_start = list(args)
     bad_start[1] = i32(0).long()
     raises(RuntimeError, "q_start must be a contiguous 1-D int32", ms.ops.forward, *bad_start)

@@ -621,7 +621,7 @@ def test_rescore_topk_op(ms, device, dtype, dim, lq, nq, kc, k):
     _, cand = ms.ops.decode_keys(keys)
     pd = torch.where(cand < d_start.numel(), cand, -1).reshape(-1).to(torch.int32)
     pq = torch.arange(nq, dtype=torch.int32, device=device).repeat_interleave(kc)
-    sc, _ = ms.ops.forward(q, q_start, q_len, qmask, docs, d_start, d_len, dmask, pq, pd, 2, lq, 0, False)
+    sc, _ = ms.ops.forward(q, q_start, q_len, qmask, docs, d_start, d_len, dmask, pq, pd, 2, lq, 0, 0)
     top = ms.keys.merge_topk(ms.ops.block_topk(sc.view(nq, kc), 0, k, cand), k)
     s0, ids0 = ms.ops.decode_keys(top)
     assert torch.equal(ids.cpu(), ids0.cpu())

@@ -38,7 +38,7 @@ std::tuple<Tensor, Tensor> call_forward_train(const Tensor& q, const Tensor& q_s
                                               const OptTensor& q_mask, const Tensor& d, const Tensor& d_start,
                                               const Tensor& d_len, const OptTensor& d_mask, const OptTensor& pair_q,
                                               const OptTensor& pair_d, int64_t layout, int64_t lq,
-                                              int64_t argmax_kind, bool tf32, bool normalize) {
+                                              int64_t argmax_kind, int64_t precision, bool normalize) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow((std::string(kNs) + "::forward_train").c_str(), "")
                        .typed<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
@@ -46,7 +46,7 @@ std::tuple<Tensor, Tensor> call_forward_train(const Tensor& q, const Tensor& q_s
                                                          const Tensor&, const OptTensor&, const OptTensor&,
                                                          const OptTensor&, int64_t, int64_t, int64_t, bool, bool)>();
   return op.call(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d, layout, lq, argmax_kind,
-                 tf32, normalize);
+                 precision, normalize);
 }
 
 std::tuple<Tensor, Tensor> call_backward(const Tensor& grad, const Tensor& q, const Tensor& q_start,
@@ -90,10 +90,10 @@ struct ForwardTrain : public torch::autograd::Function<ForwardTrain> {
                                                 const Tensor& d, const Tensor& d_start, const Tensor& d_len,
                                                 const OptTensor& d_mask, const OptTensor& pair_q,
                                                 const OptTensor& pair_d, int64_t layout, int64_t lq,
-                                                int64_t argmax_kind, bool tf32, bool normalize) {
+                                                int64_t argmax_kind, int64_t precision, bool normalize) {
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [scores, argmax] = call_forward_train(rows2d(q), q_start, q_len, q_mask, rows2d(d), d_start, d_len, d_mask,
-                                               pair_q, pair_d, layout, lq, argmax_kind, tf32, normalize);
+                                               pair_q, pair_d, layout, lq, argmax_kind, precision, normalize);
     ctx->saved_data["layout"] = layout;
     ctx->saved_data["normalize"] = normalize;
     ctx->saved_data["has_argmax"] = argmax_kind != 0;
@@ -139,9 +139,9 @@ std::tuple<Tensor, Tensor> forward_train_autograd(const Tensor& q, const Tensor&
                                                   const OptTensor& q_mask, const Tensor& d, const Tensor& d_start,
                                                   const Tensor& d_len, const OptTensor& d_mask,
                                                   const OptTensor& pair_q, const OptTensor& pair_d, int64_t layout,
-                                                  int64_t lq, int64_t argmax_kind, bool tf32, bool normalize) {
+                                                  int64_t lq, int64_t argmax_kind, int64_t precision, bool normalize) {
   auto out = ForwardTrain::apply(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d, layout, lq,
-                                 argmax_kind, tf32, normalize);
+                                 argmax_kind, precision, normalize);
   return {out[0], out[1]};
 }
 

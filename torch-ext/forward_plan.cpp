@@ -91,7 +91,7 @@ plan::Family family_of(const std::string& name) {
 
 std::string plan_forward(int64_t layout, int64_t nq, int64_t nd, int64_t tq, int64_t td, int64_t pairs, int64_t lq,
                          int64_t dim, at::ScalarType dtype, bool quant, bool uniform_doc_scales, bool argmax,
-                         bool tf32, bool normalize, int64_t ptr_align, int64_t arch, int64_t sm_count,
+                         int64_t precision, bool normalize, int64_t ptr_align, int64_t arch, int64_t sm_count,
                          std::string force) {
   TORCH_CHECK(layout >= 0 && layout <= 2, "maxsim: plan_forward: bad layout");
   TORCH_CHECK(nq >= 0 && nd >= 0 && tq >= 0 && td >= 0 && pairs >= 0 && lq >= 0 && dim >= 1,
@@ -109,7 +109,8 @@ std::string plan_forward(int64_t layout, int64_t nq, int64_t nd, int64_t tq, int
   r.quant = quant;
   r.uniform_doc_scales = uniform_doc_scales;
   r.argmax = argmax;
-  r.tf32 = tf32;
+  TORCH_CHECK(precision >= 0 && precision <= 2, "maxsim: plan_forward: bad precision");
+  r.precision = (plan::Precision)precision;
   r.normalize = normalize;
   r.ptr_align = (int)ptr_align;
   r.force = family_of(force);
@@ -164,6 +165,7 @@ std::string plan_forward(int64_t layout, int64_t nq, int64_t nd, int64_t tq, int
       put("dpc", p.dpc);
       put("items", p.items);
       put("grid", p.grid);
+      if (p.family == plan::Family::kMma) put("split", p.split);
       if (p.family == plan::Family::kWgmma) {
         put("nkb", p.wgmma.nkb);
         put("scale", p.wgmma.scale);

@@ -18,7 +18,8 @@
 //   * kWgmma (sm_90a): the wgmma + TMA tile kernel when a 128-row query tile
 //     is full;
 //   * kMma: the mma.sync tile kernel, one of kMmaConfigs by lq / layout;
-//   * kSimt: exact fp32, and whatever the tensor cores cannot take.
+//   * kSimt: exact fp32 (precision kExact), and whatever the tensor cores
+//     cannot take.
 // A new kernel family: add it to Family, give it a rule below (and a
 // KernelId for its occupancy), and an executor in maxsim-cuda/forward/forward.cu.
 #pragma once
@@ -51,6 +52,14 @@ constexpr const char* family_name(Family f) {
 }
 
 enum class Dtype : int { kF32 = 0, kF16, kBF16, kI8, kE4M3 };
+
+// How CUDA runs fp32 tokens (the op's `precision`; other dtypes ignore it):
+// kDefault: tensor cores with split 3xTF32 products (~1e-7 relative),
+// kTf32: one TF32 product (~5e-4), kExact: the scalar fp32 kernel.
+enum class Precision : int { kDefault = 0, kTf32 = 1, kExact = 2 };
+constexpr const char* precision_name(Precision p) {
+  return p == Precision::kTf32 ? "tf32" : p == Precision::kExact ? "exact" : "default";
+}
 constexpr int elem_size(Dtype t) { return t == Dtype::kF32 ? 4 : (t == Dtype::kF16 || t == Dtype::kBF16) ? 2 : 1; }
 constexpr bool is_16bit(Dtype t) { return t == Dtype::kF16 || t == Dtype::kBF16; }
 
@@ -127,6 +136,7 @@ struct KernelId {
   Dtype dtype = Dtype::kF32;
   bool argmax = false;
   bool scaled = false;  // float tokens under normalize (per-token inverse norms)
+  bool split = false;   // kMma, float tokens: split 3xTF32 products
   int cfg = 0;          // kMma: config id
   int64_t smem = 0;     // kMma: dynamic shared memory
   int ks = 0;           // kStream / kStreamWg: 32-byte k steps per row
@@ -156,7 +166,7 @@ struct Request {
   bool quant = false;  // 8-bit tokens with per-token scales (forward_quant)
   bool uniform_doc_scales = false;
   bool argmax = false;
-  bool tf32 = false;
+  Precision precision = Precision::kDefault;
   bool normalize = false;
   bool rank = false;  // kKeys: the last CTA of a row ranks it (fused top-k)
   int ptr_align = 16;  // the largest of 16, 8, 4, 2, 1 dividing both token pointers
@@ -194,6 +204,7 @@ struct Plan {
   const char* error = "";
   bool scaled = false;      // normalize of float tokens: inverse norms as per-token scales
   bool d_inv_prepass = false;  // the documents' inverse norms from a pre-pass
+  bool split = false;       // kMma on float tokens: split 3xTF32 products (else one TF32)
   // Tile kernels (kMma, kWgmma, kSimt).
   int cfg = -1;             // kMma config
   int64_t smem = 0;         // kMma dynamic shared memory
@@ -487,7 +498,8 @@ inline Plan plan_forward(const Request& r, const DeviceFacts& dev) {
   }
 
   // ---- tile kernels --------------------------------------------------------------
-  bool use_mma = r.dtype != Dtype::kF32 || r.tf32;
+  // fp32: tensor cores unless precision is exact (split 3xTF32 by default).
+  bool use_mma = r.dtype != Dtype::kF32 || r.precision != Precision::kExact;
   int vecb = 0;
   for (int v : {16, 8, 4})
     if (rb % v == 0 && r.ptr_align >= v) {
@@ -534,6 +546,7 @@ inline Plan plan_forward(const Request& r, const DeviceFacts& dev) {
   const bool use_wg = use_mma && wg_wanted && wgmma_takes(r, dev, pl.scaled);
 
   pl.family = use_wg ? Family::kWgmma : use_mma ? Family::kMma : Family::kSimt;
+  pl.split = use_mma && r.dtype == Dtype::kF32 && r.precision == Precision::kDefault;
   pl.cfg = use_mma && !use_wg ? cfg : -1;
   pl.smem = use_mma && !use_wg ? smem : 0;
   pl.bm = use_wg ? kWgBM : use_mma ? kMmaConfigs[cfg].bm : kSimtBM;
@@ -556,7 +569,7 @@ inline Plan plan_forward(const Request& r, const DeviceFacts& dev) {
   // ---- doc splits for parallelism (few work items, long docs) ---------------
   int occ = 1;
   if (!use_wg) {
-    KernelId k{use_mma ? Family::kMma : Family::kSimt, r.dtype, r.argmax, pl.scaled};
+    KernelId k{use_mma ? Family::kMma : Family::kSimt, r.dtype, r.argmax, pl.scaled, pl.split};
     k.cfg = use_mma ? cfg : 0;
     k.smem = use_mma ? smem : 0;
     occ = std::max(1, blocks(dev, k));

@@ -42,7 +42,7 @@ inline std::tuple<at::Tensor, at::Tensor> rescore_topk_composed(
   const at::Tensor pd = at::where(in_range, ids, at::full({}, -1, ids.options())).reshape({-1}).to(at::kInt);
   const at::Tensor pq = at::arange(Nq, keys.options().dtype(at::kInt)).repeat_interleave(kc);
   const at::Tensor s = std::get<0>(
-      fwd(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pq, pd, kList, lq, kNoArgmax, false, false));
+      fwd(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pq, pd, kList, lq, kNoArgmax, /*precision: default*/ 0, false));
   return top_k_decoded(topk, decode, s.view({Nq, kc}), ids, k);
 }
 

@@ -8,7 +8,7 @@
 #define MAXSIM_FORWARD_ARGS                                              \
   "(Tensor q, Tensor q_start, Tensor q_len, Tensor? q_mask, Tensor d, "    \
   "Tensor d_start, Tensor d_len, Tensor? d_mask, Tensor? pair_q, "         \
-  "Tensor? pair_d, int layout, int lq, int argmax_kind, bool tf32, "     \
+  "Tensor? pair_d, int layout, int lq, int argmax_kind, int precision, "     \
   "bool normalize=False) -> "    \
   "(Tensor scores, Tensor argmax)"
 
@@ -40,7 +40,7 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   // tensors, one implementation for every backend.
   ops.def(
       "plan_forward(int layout, int nq, int nd, int tq, int td, int pairs, int lq, int dim, ScalarType dtype, "
-      "bool quant, bool uniform_doc_scales, bool argmax, bool tf32, bool normalize, int ptr_align, int arch, "
+      "bool quant, bool uniform_doc_scales, bool argmax, int precision, bool normalize, int ptr_align, int arch, "
       "int sm_count, str force) -> str",
       &maxsim::plan_forward);
   // The CPU kernels are [torch] sources: every variant has them.

@@ -25,7 +25,9 @@
 // 2 int16 [P, lq]. Entry = index of the winning token *within* the document
 // (0 .. d_len-1), lowest index on ties, -1 for padded/masked query tokens and
 // for tokens with no valid document token.
-// tf32: fp32 inputs may use TF32 tensor cores (CUDA only; default exact).
+// precision (plan::Precision; CUDA fp32 only, other dtypes and backends
+// ignore it): 0 default (split 3xTF32 tensor cores, ~1e-7 relative per
+// product), 1 tf32 (one TF32 product, ~5e-4), 2 exact (scalar fp32).
 // normalize: every q / d row r stands for x_r / max(|x_r|, 1e-12) (norm in
 // fp32 from the stored values, fp64 for fp64). Kernels fold the inverse norms
 // into the scores (query row after the max, document token before it) rather
@@ -70,11 +72,11 @@ using ForwardFn = std::tuple<at::Tensor, at::Tensor>(
     const std::optional<at::Tensor>& d_mask,
     const std::optional<at::Tensor>& pair_q,
     const std::optional<at::Tensor>& pair_d, int64_t layout, int64_t lq,
-    int64_t argmax_kind, bool tf32, bool normalize);
+    int64_t argmax_kind, int64_t precision, bool normalize);
 
 // Quantized tokens (inference only): q / d are int8 or float8_e4m3fn with
 // per-token fp32 scales q_scale [Tq] (> 0) / d_scale [Td]; token r stands for
-// scale[r] * row r. Same contract as forward otherwise (no tf32 flag).
+// scale[r] * row r. Same contract as forward otherwise (no precision).
 // uniform_doc_scales: the caller promises that d_scale is the same (> 0)
 // for all tokens of each document, so a kernel may apply it to the row
 // maxima instead of to every product (the result is the same).
@@ -152,7 +154,7 @@ using SegmentsFn = std::vector<at::Tensor>(at::TensorList offsets, at::IntArrayR
 // the model's). force: "" or a family name (plan::family_name).
 std::string plan_forward(int64_t layout, int64_t nq, int64_t nd, int64_t tq, int64_t td, int64_t pairs, int64_t lq,
                          int64_t dim, at::ScalarType dtype, bool quant, bool uniform_doc_scales, bool argmax,
-                         bool tf32, bool normalize, int64_t ptr_align, int64_t arch, int64_t sm_count,
+                         int64_t precision, bool normalize, int64_t ptr_align, int64_t arch, int64_t sm_count,
                          std::string force);
 
 // The CPU kernels (maxsim-cpu/) are [torch] sources, compiled into every

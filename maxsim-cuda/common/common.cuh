@@ -443,6 +443,33 @@ struct Mma<float> {  // TF32 (operands passed as raw fp32 bits)
   }
 };
 
+// fp32 tokens as split TF32 pairs (3xTF32): x = hi + lo with hi = tf32(x),
+// lo = tf32(x - hi) (round to nearest), and a*b ~ ahi*bhi + ahi*blo + alo*bhi
+// with fp32 accumulation; the dropped alo*blo and lo's rounding are ~2^-22
+// relative, so products agree with fp32 to about 1e-7 (plain TF32: ~5e-4).
+// The token type of the split path: the kernels read the same fp32 rows as
+// Mma<float>; split_tf32 turns a fragment register into its (hi, lo) pair.
+struct Tf32x3 {};
+__device__ __forceinline__ void split_tf32(uint32_t x, uint32_t& hi, uint32_t& lo) {
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(hi) : "f"(__uint_as_float(x)));
+  const float r = __uint_as_float(x) - __uint_as_float(hi);
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(lo) : "f"(r));
+}
+template <>
+struct Mma<Tf32x3> {
+  // One k step from split fragments (small terms first).
+  static __device__ __forceinline__ void run3(float* c, const uint32_t* ahi, const uint32_t* alo,
+                                              const uint32_t* bhi, const uint32_t* blo) {
+    Mma<float>::run(c, alo, bhi);
+    Mma<float>::run(c, ahi, blo);
+    Mma<float>::run(c, ahi, bhi);
+  }
+  static __device__ __forceinline__ float value(float acc) { return acc; }
+  static __device__ __forceinline__ float sumsq(uint32_t r) { return Mma<float>::sumsq(r); }
+};
+template <typename T>
+constexpr bool kIsSplit = std::is_same<T, Tf32x3>::value;
+
 // 8-bit k-step (m16n8k32): its A / B fragments hold the same bytes as the
 // 16-bit m16n8k16 ones (4 consecutive bytes of a row per register), so the
 // byte-addressed tiles and ldmatrix offsets of the kernel serve unchanged.

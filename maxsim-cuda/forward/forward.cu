@@ -116,6 +116,11 @@ int blocks_per_sm(const plan::KernelId& k) {
   return with_token_type(scalar_type(k.dtype), [&](auto tag) -> int {
     using T = decltype(tag);
     if (k.family == plan::Family::kMma) {
+      if constexpr (std::is_same<T, float>::value) {
+        if (k.split)
+          return k.scaled ? occupancy_mma_scaled<Tf32x3>(k.cfg, k.argmax, (size_t)k.smem)
+                          : occupancy_mma<Tf32x3>(k.cfg, k.argmax, (size_t)k.smem);
+      }
       if constexpr (!kIsQuant<T>) {
         if (k.scaled) return occupancy_mma_scaled<T>(k.cfg, k.argmax, (size_t)k.smem);
       }
@@ -156,6 +161,15 @@ void run_tiles(const plan::Plan& pl, const plan::Request& rq, const plan::Device
         }
       }
     } else if (pl.family == plan::Family::kMma) {
+      if constexpr (std::is_same<T, float>::value) {
+        if (pl.split) {  // fp32 at the default precision: split 3xTF32
+          if (pl.scaled)
+            run_mma_scaled<Tf32x3>(pl.cfg, rq.argmax, p, item0, n, (size_t)pl.smem, st);
+          else
+            run_mma<Tf32x3>(pl.cfg, rq.argmax, p, item0, n, (size_t)pl.smem, st);
+          return;
+        }
+      }
       if constexpr (kIsQuant<T>) {
         run_mma<T>(pl.cfg, rq.argmax, p, item0, n, (size_t)pl.smem, st);
       } else if (pl.scaled) {
@@ -195,7 +209,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
                                                 const at::Tensor& d_len, const std::optional<at::Tensor>& d_mask,
                                                 const std::optional<at::Tensor>& pair_q,
                                                 const std::optional<at::Tensor>& pair_d, int64_t layout, int64_t lq,
-                                                int64_t argmax_kind, bool tf32, bool normalize,
+                                                int64_t argmax_kind, int64_t precision, bool normalize,
                                                 bool uniform_doc_scales = false) {
   TORCH_CHECK(q_in.is_cuda() && d_in.is_cuda(), "maxsim: q and d must be CUDA tensors");
   TORCH_CHECK(q_in.dim() == 2 && d_in.dim() == 2 && q_in.size(1) == d_in.size(1),
@@ -223,6 +237,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
   TORCH_CHECK(layout >= 0 && layout <= 2, "maxsim: bad layout");
   TORCH_CHECK(argmax_kind >= 0 && argmax_kind <= 2, "maxsim: bad argmax_kind");
   TORCH_CHECK(lq >= 0 && lq < (int64_t)1 << 30, "maxsim: bad lq");
+  TORCH_CHECK(precision >= 0 && precision <= 2, "maxsim: bad precision");
   check_index(q_start, "q_start");
   check_index(q_len, "q_len");
   check_index(d_start, "d_start");
@@ -307,7 +322,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
   rq.quant = quant;
   rq.uniform_doc_scales = uniform_doc_scales;
   rq.argmax = arg;
-  rq.tf32 = tf32;
+  rq.precision = (plan::Precision)precision;
   rq.normalize = normalize;
   rq.ptr_align = ptr_align(p.q, p.d);
   rq.d_scale_aligned = quant && reinterpret_cast<uintptr_t>(p.d_scale) % 16 == 0;
@@ -390,9 +405,9 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q, const at::T
                                                 const at::Tensor& d_len, const std::optional<at::Tensor>& d_mask,
                                                 const std::optional<at::Tensor>& pair_q,
                                                 const std::optional<at::Tensor>& pair_d, int64_t layout, int64_t lq,
-                                                int64_t argmax_kind, bool tf32, bool normalize) {
+                                                int64_t argmax_kind, int64_t precision, bool normalize) {
   return cuda_fwd::forward_impl(q, nullptr, q_start, q_len, q_mask, d, nullptr, d_start, d_len, d_mask, pair_q,
-                                pair_d, layout, lq, argmax_kind, tf32, normalize);
+                                pair_d, layout, lq, argmax_kind, precision, normalize);
 }
 
 std::tuple<at::Tensor, at::Tensor> forward_quant_cuda(
@@ -403,7 +418,7 @@ std::tuple<at::Tensor, at::Tensor> forward_quant_cuda(
     int64_t argmax_kind, bool uniform_doc_scales) {
   const at::Tensor qs = q_scale.contiguous(), ds = d_scale.contiguous();
   return cuda_fwd::forward_impl(q, &qs, q_start, q_len, q_mask, d, &ds, d_start, d_len, d_mask, pair_q, pair_d,
-                                layout, lq, argmax_kind, false, false, uniform_doc_scales);
+                                layout, lq, argmax_kind, 0, false, uniform_doc_scales);
 }
 
 }  // namespace maxsim

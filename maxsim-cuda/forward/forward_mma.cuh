@@ -1,6 +1,7 @@
 // Tensor-core forward kernel (fp16 / bf16 via mma.sync m16n8k16, fp32 via
-// TF32 m16n8k8, int8 / fp8 e4m3 via m16n8k32), fp32 accumulation (int32 for
-// int8, exact).
+// TF32 m16n8k8 (T = float) or split 3xTF32 (T = Tf32x3: the same fp32 tiles,
+// each fragment split into TF32 hi / lo parts), int8 / fp8 e4m3 via
+// m16n8k32), fp32 accumulation (int32 for int8, exact).
 //
 // One CTA = one work item: an M tile of BM query rows (one query, several
 // stacked queries for CROSS, or a BM-row slice of a long query) against one
@@ -397,10 +398,27 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
       for (int ks = 0; ks < KSTEPS; ++ks) {
         if (ks >= kst) break;
         if (ks + 1 < kst) load_frags((ks + 1) & 1, ks + 1);
+        if constexpr (kIsSplit<T>) {
+          // Each fragment split once per k step, then 3 MMAs per tile.
+          uint32_t ah[MT][4], al[MT][4], bh[NT][2], bl[NT][2];
 #pragma unroll
-        for (int i = 0; i < MT; ++i)
+          for (int i = 0; i < MT; ++i)
 #pragma unroll
-          for (int jn = 0; jn < NT; ++jn) Mma<T>::run(acc[i][jn], af[ks & 1][i], bfr[ks & 1][jn]);
+            for (int e = 0; e < 4; ++e) split_tf32(af[ks & 1][i][e], ah[i][e], al[i][e]);
+#pragma unroll
+          for (int jn = 0; jn < NT; ++jn)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) split_tf32(bfr[ks & 1][jn][e], bh[jn][e], bl[jn][e]);
+#pragma unroll
+          for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int jn = 0; jn < NT; ++jn) Mma<T>::run3(acc[i][jn], ah[i], al[i], bh[jn], bl[jn]);
+        } else {
+#pragma unroll
+          for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int jn = 0; jn < NT; ++jn) Mma<T>::run(acc[i][jn], af[ks & 1][i], bfr[ks & 1][jn]);
+        }
         if constexpr (DNORM) {
 #pragma unroll
           for (int jn = 0; jn < NT; ++jn)

@@ -1,4 +1,4 @@
-// Tensor-core forward kernels instantiated for float (TF32 mma, only when tf32=True).
+// Tensor-core forward kernels for float tokens, plain TF32 (precision="tf32").
 #include "forward_mma.cuh"
 
 namespace maxsim {

@@ -50,7 +50,7 @@ def _argmax_empty(q, P, lq, argmax_kind):
 @torch.library.register_fake(FORWARD_TRAIN)
 @torch.library.register_fake(FORWARD)
 def _forward_fake(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d,
-                  layout, lq, argmax_kind, tf32, normalize=False):
+                  layout, lq, argmax_kind, precision, normalize=False):
     P = num_pairs(q_start, d_start, pair_q, layout)
     sdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     return q.new_empty((P,), dtype=sdt), _argmax_empty(q, P, lq, argmax_kind)
@@ -107,10 +107,10 @@ def _warn_fallback(op: str, key: str) -> None:
 
 
 def _reference_forward(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d,
-                       layout, lq, argmax_kind, tf32, normalize=False):
+                       layout, lq, argmax_kind, precision, normalize=False):
     _warn_fallback("forward", q.device.type)
     return reference.forward(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask,
-                             pair_q, pair_d, layout, lq, argmax_kind, tf32, normalize=normalize)
+                             pair_q, pair_d, layout, lq, argmax_kind, precision, normalize=normalize)
 
 
 def _reference_forward_quant(q, q_scale, q_start, q_len, q_mask, d, d_scale, d_start, d_len, d_mask,

@@ -101,7 +101,7 @@ def search(Q: torch.Tensor, local_corpus, k: int, *, group=None, pad_to_k: bool 
 
 def contrastive_scores(Q: torch.Tensor, D: torch.Tensor, q_mask: Optional[torch.Tensor] = None,
                        d_mask: Optional[torch.Tensor] = None, *, group=None, normalize: bool = False,
-                       tf32: bool = False) -> torch.Tensor:
+                       precision: Optional[str] = None, tf32: bool = False) -> torch.Tensor:
     """This rank's queries ``Q [Nq, Lq, d]`` against the documents of all ranks
     (``D [Nd_r, Ld, d]`` here, same Ld everywhere) -> ``[Nq, sum_r Nd_r]``,
     columns in rank order. Masks as in :func:`maxsim.maxsim`. Differentiable
@@ -114,4 +114,4 @@ def contrastive_scores(Q: torch.Tensor, D: torch.Tensor, q_mask: Optional[torch.
     dm_all = None
     if d_mask is not None:
         dm_all = all_gather_with_grad(d_mask.to(torch.uint8), group).bool()
-    return maxsim(Q, D_all, q_mask, dm_all, normalize=normalize, tf32=tf32)
+    return maxsim(Q, D_all, q_mask, dm_all, normalize=normalize, precision=precision, tf32=tf32)

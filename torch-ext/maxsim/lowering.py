@@ -83,23 +83,42 @@ def argmax_kind(train: bool, with_argmax: bool, doc_bound: int) -> int:
     return 1 if with_argmax else 0
 
 
+# The op's ``precision`` codes (plan::Precision in forward_plan.h).
+PRECISIONS = {"default": 0, "tf32": 1, "exact": 2}
+
+
+def precision_code(precision: Optional[str], tf32: bool = False) -> int:
+    """The op code of a public ``precision=`` (``None`` = "default");
+    ``tf32=True`` is the older spelling of ``precision="tf32"``."""
+    if tf32:
+        if precision not in (None, "tf32"):
+            raise ValueError(f"tf32=True conflicts with precision={precision!r} (tf32=True means "
+                             "precision='tf32'; pass one of them)")
+        precision = "tf32"
+    name = "default" if precision is None else precision
+    if name not in PRECISIONS:
+        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+    return PRECISIONS[name]
+
+
 def needs_grad(*tensors: Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def run(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d,
-        layout, lq, kind, tf32, normalize=False):
-    """q / d: token tensors [..., dim]. Returns scores shaped by layout
-    ([Nq, Nd] CROSS, [Nq, K] GROUPED, [P] LIST) and the argmax [P, lq]."""
+        layout, lq, kind, precision, normalize=False):
+    """q / d: token tensors [..., dim]; precision: an op code (precision_code).
+    Returns scores shaped by layout ([Nq, Nd] CROSS, [Nq, K] GROUPED, [P]
+    LIST) and the argmax [P, lq]."""
     q = q if q.is_contiguous() else q.contiguous()
     d = d if d.is_contiguous() else d.contiguous()
     if needs_grad(q, d):
         # The autograd-carrying op only when a gradient can flow (it costs an
         # autograd node per call); it flattens and reshapes inside the node.
         return ops.forward_train(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask,
-                                 pair_q, pair_d, layout, lq, kind, tf32, normalize)
+                                 pair_q, pair_d, layout, lq, kind, precision, normalize)
     scores, argmax = ops.forward(flat(q), q_start, q_len, q_mask, flat(d), d_start, d_len, d_mask,
-                                 pair_q, pair_d, layout, lq, kind, tf32, normalize)
+                                 pair_q, pair_d, layout, lq, kind, precision, normalize)
     nq, nd = q_start.shape[0], d_start.shape[0]
     if layout == CROSS:
         scores = scores.view(nq, nd)

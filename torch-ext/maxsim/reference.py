@@ -61,9 +61,10 @@ def _segments(start, length, n_rows, width, mask):
 
 
 def forward(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d,
-            layout: int, lq: int, argmax_kind: int, tf32: bool = False,
+            layout: int, lq: int, argmax_kind: int, precision: int = 0,
             accum: torch.dtype = torch.float32, normalize: bool = False):
-    """Reference for ``ops.forward``: returns (scores [P] fp32 (or ``accum``), argmax)."""
+    """Reference for ``ops.forward``: returns (scores [P] fp32 (or ``accum``), argmax).
+    ``precision`` is ignored: the reference is exact on every backend."""
     if normalize:
         q, d = normalize_rows(q, accum), normalize_rows(d, accum)
     device = q.device

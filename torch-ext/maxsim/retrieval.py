@@ -95,7 +95,7 @@ def _rescore(q, q_start, q_len, qm, Nq, Lq, corpus, keys, k, dev) -> tuple[Tenso
         qs, ql = q_start[n0:n1] - q_start[n0], q_len[n0:n1]
         rows = slice(n0 * Lq, n1 * Lq)
         part, _ = ops.forward(q[rows], qs, ql, None if qm is None else qm[rows], tok, st, ln, m,
-                              None, None, GROUPED, Lq, 0, False)
+                              None, None, GROUPED, Lq, 0, 0)
         parts.append(part.view(n1 - n0, kc))
     scores = parts[0] if len(parts) == 1 else torch.cat(parts)
     top = ops.block_topk(scores, 0, k, cand)  # id -1 (no candidate): empty slot; sorted
@@ -161,7 +161,7 @@ def search(queries: Tensor, corpus, k: int, *, query_lengths: Optional[Tensor] =
                                                   None, None, CROSS, Lq, 0, corpus.uniform_doc_scales)
                 else:
                     scores, _ = ops.forward(q, q_start, q_len, qm, tok, st, ln, tmask, None, None,
-                                            CROSS, Lq, 0, False)
+                                            CROSS, Lq, 0, 0)
                 top = ops.block_topk(scores.view(Nq, b1 - b0), d0 + b0, k_scan)
                 keys = top if keys is None else merge_topk(torch.cat([keys, top], dim=1), k_scan)
     if keys is None:

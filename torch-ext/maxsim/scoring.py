@@ -23,6 +23,7 @@ from .lowering import (
     empty_scores,
     flat_mask,
     needs_grad,
+    precision_code,
     run,
     segments,
     uniform_segments,
@@ -64,7 +65,7 @@ __all__ = [
 # padded candidates: Q [B, Lq, d] x D [B, K, Ld, d] -> [B, K]
 # ----------------------------------------------------------------------------
 
-def _candidates(queries, documents, query_lengths, doc_lengths, *, mode, validate, tf32, normalize):
+def _candidates(queries, documents, query_lengths, doc_lengths, *, mode, validate, precision, normalize):
     check_float("queries", queries)
     check_float("documents", documents)
     check_rank("queries", queries, 3, "[B, Lq, d]")
@@ -97,7 +98,7 @@ def _candidates(queries, documents, query_lengths, doc_lengths, *, mode, validat
         d_len = next(capped)
     kind = argmax_kind(mode == "train", mode == "argmax", Ld)
     scores, argmax = run(queries, q_start, q_len, None, documents, d_start, d_len,
-                         None, None, None, GROUPED, Lq, kind, tf32, normalize)
+                         None, None, None, GROUPED, Lq, kind, precision, normalize)
     if mode == "argmax":
         return scores, as_int32(argmax).view(B, K, Lq)
     return scores
@@ -105,7 +106,7 @@ def _candidates(queries, documents, query_lengths, doc_lengths, *, mode, validat
 
 def score_candidates_padded(queries: Tensor, documents: Tensor, query_lengths: Optional[Tensor] = None,
                             doc_lengths: Optional[Tensor] = None, *, validate: Optional[bool] = None,
-                            tf32: bool = False, normalize: bool = False) -> Tensor:
+                            precision: Optional[str] = None, tf32: bool = False, normalize: bool = False) -> Tensor:
     """MaxSim of each query against its own K padded candidates.
 
     queries ``[B, Lq, d]``, documents ``[B, K, Ld, d]``, query_lengths ``[B]``
@@ -114,33 +115,36 @@ def score_candidates_padded(queries: Tensor, documents: Tensor, query_lengths: O
     against that document.
     """
     return _candidates(queries, documents, query_lengths, doc_lengths, mode="score",
-                       validate=validate, tf32=tf32, normalize=normalize)
+                       validate=validate,
+                  precision=precision_code(precision, tf32), normalize=normalize)
 
 
 def score_candidates_padded_with_argmax(queries, documents, query_lengths=None, doc_lengths=None, *,
-                                        validate: Optional[bool] = None, tf32: bool = False,
+                                        validate: Optional[bool] = None, precision: Optional[str] = None, tf32: bool = False,
                                         normalize: bool = False):
     """As :func:`score_candidates_padded`, plus int32 ``[B, K, Lq]`` winning
     document-token index per query token (-1 for padded query tokens and for
     tokens with no valid document token; lowest index on ties)."""
     return _candidates(queries, documents, query_lengths, doc_lengths, mode="argmax",
-                       validate=validate, tf32=tf32, normalize=normalize)
+                       validate=validate,
+                  precision=precision_code(precision, tf32), normalize=normalize)
 
 
 def score_candidates_padded_train(queries, documents, query_lengths=None, doc_lengths=None, *,
-                                  validate: Optional[bool] = None, tf32: bool = False,
+                                  validate: Optional[bool] = None, precision: Optional[str] = None, tf32: bool = False,
                                   normalize: bool = False):
     """Differentiable :func:`score_candidates_padded` (gradients to queries and
     documents, from the saved argmax only)."""
     return _candidates(queries, documents, query_lengths, doc_lengths, mode="train",
-                       validate=validate, tf32=tf32, normalize=normalize)
+                       validate=validate,
+                  precision=precision_code(precision, tf32), normalize=normalize)
 
 
 # ----------------------------------------------------------------------------
 # contrastive: Q [Nq, Lq, d] x packed D [T, d] with offsets [Nb+1] -> [Nq, Nb]
 # ----------------------------------------------------------------------------
 
-def _contrastive(queries, documents, document_offsets, query_lengths, *, mode, validate, tf32, normalize):
+def _contrastive(queries, documents, document_offsets, query_lengths, *, mode, validate, precision, normalize):
     check_float("queries", queries)
     check_float("documents", documents)
     check_rank("queries", queries, 3, "[Nq, Lq, d]")
@@ -170,7 +174,7 @@ def _contrastive(queries, documents, document_offsets, query_lengths, *, mode, v
         q_len = seg[2]
     kind = argmax_kind(mode == "train", mode == "argmax", T)
     scores, argmax = run(queries, q_start, q_len, None, documents, d_start, d_len,
-                         None, None, None, CROSS, Lq, kind, tf32, normalize)
+                         None, None, None, CROSS, Lq, kind, precision, normalize)
     if mode == "argmax":
         return scores, as_int32(argmax).view(Nq, Nb, Lq)
     return scores
@@ -178,27 +182,30 @@ def _contrastive(queries, documents, document_offsets, query_lengths, *, mode, v
 
 def score_contrastive(queries: Tensor, documents: Tensor, document_offsets: Tensor,
                       query_lengths: Optional[Tensor] = None, *, validate: Optional[bool] = None,
-                      tf32: bool = False, normalize: bool = False) -> Tensor:
+                      precision: Optional[str] = None, tf32: bool = False, normalize: bool = False) -> Tensor:
     """Every query ``[Nq, Lq, d]`` against every packed document
     (``documents [total_tokens, d]``, ``document_offsets [Nb+1]``) -> fp32 ``[Nq, Nb]``."""
     return _contrastive(queries, documents, document_offsets, query_lengths, mode="score",
-                        validate=validate, tf32=tf32, normalize=normalize)
+                        validate=validate,
+                  precision=precision_code(precision, tf32), normalize=normalize)
 
 
 def score_contrastive_with_argmax(queries, documents, document_offsets, query_lengths=None, *,
-                                  validate: Optional[bool] = None, tf32: bool = False,
+                                  validate: Optional[bool] = None, precision: Optional[str] = None, tf32: bool = False,
                                   normalize: bool = False):
     """As :func:`score_contrastive`, plus int32 argmax ``[Nq, Nb, Lq]``."""
     return _contrastive(queries, documents, document_offsets, query_lengths, mode="argmax",
-                        validate=validate, tf32=tf32, normalize=normalize)
+                        validate=validate,
+                  precision=precision_code(precision, tf32), normalize=normalize)
 
 
 def score_contrastive_train(queries, documents, document_offsets, query_lengths=None, *,
-                            validate: Optional[bool] = None, tf32: bool = False,
+                            validate: Optional[bool] = None, precision: Optional[str] = None, tf32: bool = False,
                             normalize: bool = False):
     """Differentiable :func:`score_contrastive`."""
     return _contrastive(queries, documents, document_offsets, query_lengths, mode="train",
-                        validate=validate, tf32=tf32, normalize=normalize)
+                        validate=validate,
+                  precision=precision_code(precision, tf32), normalize=normalize)
 
 
 # ----------------------------------------------------------------------------
@@ -215,7 +222,7 @@ def _max_length(max_query_length, max_q_len) -> tuple[str, Optional[int]]:
 
 
 def _pairs(queries, query_offsets, documents, document_offsets, pair_query_ids, pair_document_ids,
-           max_lengths, *, mode, validate, tf32, normalize):
+           max_lengths, *, mode, validate, precision, normalize):
     length_name, max_query_length = _max_length(*max_lengths)
     check_float("queries", queries)
     check_float("documents", documents)
@@ -263,7 +270,7 @@ def _pairs(queries, query_offsets, documents, document_offsets, pair_query_ids, 
         return empty_result((0,), width, queries, documents, mode)
     kind = argmax_kind(mode == "train", mode == "argmax", Td)
     scores, argmax = run(queries, q_start, q_len, None, documents, d_start,
-                         d_len, None, pair_q32, pair_d32, LIST, lq, kind, tf32, normalize)
+                         d_len, None, pair_q32, pair_d32, LIST, lq, kind, precision, normalize)
     if mode == "argmax":
         argmax = as_int32(argmax)
         if width > lq:
@@ -275,7 +282,7 @@ def _pairs(queries, query_offsets, documents, document_offsets, pair_query_ids, 
 def score_pairs_packed(queries: Tensor, query_offsets: Tensor, documents: Tensor,
                        document_offsets: Tensor, pair_query_ids: Tensor, pair_document_ids: Tensor, *,
                        max_query_length: Optional[int] = None, validate: Optional[bool] = None,
-                       tf32: bool = False, normalize: bool = False,
+                       precision: Optional[str] = None, tf32: bool = False, normalize: bool = False,
                        max_q_len: Optional[int] = None) -> Tensor:
     """Scores of arbitrary (query, document) pairs over packed ragged tokens -> fp32 ``[P]``.
 
@@ -286,27 +293,30 @@ def score_pairs_packed(queries: Tensor, query_offsets: Tensor, documents: Tensor
     name.
     """
     return _pairs(queries, query_offsets, documents, document_offsets, pair_query_ids,
-                  pair_document_ids, (max_query_length, max_q_len), mode="score", validate=validate, tf32=tf32,
+                  pair_document_ids, (max_query_length, max_q_len), mode="score", validate=validate,
+                  precision=precision_code(precision, tf32),
                   normalize=normalize)
 
 
 def score_pairs_packed_with_argmax(queries, query_offsets, documents, document_offsets, pair_query_ids,
-                                   pair_document_ids, *, max_query_length=None, validate=None, tf32=False,
+                                   pair_document_ids, *, max_query_length=None, validate=None, precision=None, tf32=False,
                                    normalize=False, max_q_len=None):
     """As :func:`score_pairs_packed`, plus int32 argmax ``[P, max_query_length]``
     (without it, as wide as the longest query): document-token index within
     the document, -1 past the query's length."""
     return _pairs(queries, query_offsets, documents, document_offsets, pair_query_ids,
-                  pair_document_ids, (max_query_length, max_q_len), mode="argmax", validate=validate, tf32=tf32,
+                  pair_document_ids, (max_query_length, max_q_len), mode="argmax", validate=validate,
+                  precision=precision_code(precision, tf32),
                   normalize=normalize)
 
 
 def score_pairs_packed_train(queries, query_offsets, documents, document_offsets, pair_query_ids,
-                             pair_document_ids, *, max_query_length=None, validate=None, tf32=False,
+                             pair_document_ids, *, max_query_length=None, validate=None, precision=None, tf32=False,
                              normalize=False, max_q_len=None):
     """Differentiable :func:`score_pairs_packed`."""
     return _pairs(queries, query_offsets, documents, document_offsets, pair_query_ids,
-                  pair_document_ids, (max_query_length, max_q_len), mode="train", validate=validate, tf32=tf32,
+                  pair_document_ids, (max_query_length, max_q_len), mode="train", validate=validate,
+                  precision=precision_code(precision, tf32),
                   normalize=normalize)
 
 
@@ -315,7 +325,7 @@ def score_pairs_packed_train(queries, query_offsets, documents, document_offsets
 # ----------------------------------------------------------------------------
 
 def maxsim(Q: Tensor, D: Tensor, q_mask: Optional[Tensor] = None, d_mask: Optional[Tensor] = None, *,
-           normalize: bool = False, tf32: bool = False) -> Tensor:
+           normalize: bool = False, precision: Optional[str] = None, tf32: bool = False) -> Tensor:
     """MaxSim of ``Q [Nq, Lq, d]`` against ``D [Nd, Ld, d]`` (every query x every
     document -> ``[Nq, Nd]``) or ``D [Nq, K, Ld, d]`` (each query's own K
     candidates -> ``[Nq, K]``). Masks are boolean, True = real token
@@ -348,6 +358,6 @@ def maxsim(Q: Tensor, D: Tensor, q_mask: Optional[Tensor] = None, d_mask: Option
     train = needs_grad(Q, D)
     kind = argmax_kind(train, False, Ld)
     scores, _ = run(Q, q_start, q_len, flat_mask(q_mask), D, d_start, d_len,
-                    flat_mask(d_mask), None, None, GROUPED if D.dim() == 4 else CROSS, Lq, kind, tf32,
+                    flat_mask(d_mask), None, None, GROUPED if D.dim() == 4 else CROSS, Lq, kind, precision_code(precision, tf32),
                     normalize)
     return scores
