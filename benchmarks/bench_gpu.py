@@ -7,7 +7,12 @@ bandwidth, FLOPs / measured bf16 matmul rate) and writes
 ``bench_results/<gpu>.json``:
 ``{"meta": {...}, "rows": [{"workload", "impl", "dtype", "ms", "peak_mib", "relerr"}]}``.
 
-    python benchmarks/bench_gpu.py [--only rerank-short,...] [--cold-start]
+    python benchmarks/bench_gpu.py [--only rerank-short,...] [--cold-start] [--dtype float32]
+
+``--dtype float32`` runs the matrix on fp32 tokens (rows ``"dtype": "fp32"``,
+written to ``bench_results/<gpu>-fp32.json``): maxsim at each precision
+(``maxsim`` = the default split 3xTF32, ``maxsim-exact``, ``maxsim-tf32``)
+beside the peers on the same fp32 inputs; the byte floor counts 4-byte tokens.
 """
 
 from __future__ import annotations
@@ -40,6 +45,19 @@ FORWARD = {
     "HeavyRerank": ("padded", 32, 100, 32, 256),
 }
 DIM = 128
+DTYPE = torch.bfloat16  # --dtype
+DTYPE_NAMES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def dtype_label():
+    return "fp32" if DTYPE == torch.float32 else "bf16"
+
+
+def maxsim_variants(call):
+    """maxsim's implementations of the run's dtype: fp32 at each precision."""
+    if DTYPE != torch.float32:
+        return {"maxsim": call(None)}
+    return {"maxsim": call("default"), "maxsim-exact": call("exact"), "maxsim-tf32": call("tf32")}
 
 # Training: MaxSim op alone, forward + backward via scores.backward(g).
 TRAIN = {
@@ -76,7 +94,8 @@ def peers():
     return out
 
 
-def make_inputs(kind, n, k, lq, ld, dtype=torch.bfloat16, seed=0):
+def make_inputs(kind, n, k, lq, ld, dtype=None, seed=0):
+    dtype = dtype or DTYPE
     g = torch.Generator(device="cuda").manual_seed(seed)
     Q = torch.nn.functional.normalize(torch.randn(n, lq, DIM, device="cuda", generator=g), dim=-1).to(dtype)
     shape = (k, ld, DIM) if kind == "shared" else (n, k, ld, DIM)
@@ -88,14 +107,14 @@ def make_inputs(kind, n, k, lq, ld, dtype=torch.bfloat16, seed=0):
 def implementations(ms, kind, pe):
     impls = {}
     if kind == "shared":
-        impls["maxsim"] = lambda Q, D: ms.maxsim(Q, D)
+        impls.update(maxsim_variants(lambda p: lambda Q, D: ms.maxsim(Q, D, precision=p)))
         impls["naive"] = lambda Q, D: torch.einsum("qid,njd->qnij", Q, D).amax(-1).float().sum(-1)
         if "lik" in pe:
             impls["lik"] = lambda Q, D: pe["lik"].maxsim(Q, D)
         if "flash-maxsim" in pe:
             impls["flash-maxsim"] = lambda Q, D: pe["flash-maxsim"].flash_maxsim_batched(Q, D)
     else:
-        impls["maxsim"] = lambda Q, D: ms.score_candidates_padded(Q, D)
+        impls.update(maxsim_variants(lambda p: lambda Q, D: ms.score_candidates_padded(Q, D, precision=p)))
         impls["naive"] = lambda Q, D: torch.einsum("bid,bkjd->bkij", Q, D).amax(-1).float().sum(-1)
         if "lik" in pe:
             impls["lik"] = lambda Q, D: pe["lik"].maxsim(Q, D)
@@ -178,7 +197,8 @@ def ceilings():
 
 def workload_bytes(kind, n, k, lq, ld):
     ndocs = k if kind == "shared" else n * k
-    return 2 * (n * lq * DIM + ndocs * ld * DIM) + 4 * n * k
+    esz = torch.finfo(DTYPE).bits // 8
+    return esz * (n * lq * DIM + ndocs * ld * DIM) + 4 * n * k
 
 
 def floor_ms(kind, n, k, lq, ld, bw, flops):
@@ -220,34 +240,36 @@ def run_forward(ms, pe, only, bw, flops):
                 peak = (torch.cuda.max_memory_allocated() - base) / 2**20
                 out = out.reshape(Q.shape[0], -1)[:, : ref.shape[1]]
                 err = ((out.double() - ref).norm() / ref.norm()).item()
+                max_err = ((out.double() - ref).abs() / ref.abs().clamp_min(1e-30)).max().item()
                 if not err < 1e-2:
                     print(f"{name:<16} {impl:<14} WRONG relerr {err:.2e}")
-                    rows.append(dict(workload=name, impl=impl, dtype="bf16", ms=None, peak_mib=peak, relerr=err))
+                    rows.append(dict(workload=name, impl=impl, dtype=dtype_label(), ms=None, peak_mib=peak, relerr=err))
                     continue
                 del out
                 t = eager_ms(lambda: fn(Q, D))
                 tg = graph_ms(lambda: fn(Q, D))
             except torch.cuda.OutOfMemoryError:
                 print(f"{name:<16} {impl:<14} out of memory")
-                rows.append(dict(workload=name, impl=impl, dtype="bf16", ms=None, error="oom"))
+                rows.append(dict(workload=name, impl=impl, dtype=dtype_label(), ms=None, error="oom"))
                 torch.cuda.empty_cache()
                 continue
             except Exception as e:  # noqa: BLE001
                 print(f"{name:<16} {impl:<14} failed: {type(e).__name__}: {str(e)[:80]}")
-                rows.append(dict(workload=name, impl=impl, dtype="bf16", ms=None, error=str(e)[:200]))
+                rows.append(dict(workload=name, impl=impl, dtype=dtype_label(), ms=None, error=str(e)[:200]))
                 continue
             gs = "-" if tg is None else f"{tg:.4f}"
             print(f"{name:<16} {impl:<14} {t:8.4f} {gs:>8} {fl:7.4f} {peak:9.1f} {err:9.1e}", flush=True)
-            rows.append(dict(workload=name, impl=impl, dtype="bf16", ms=t, graph_ms=tg, floor_ms=fl,
-                             copy_ms=cp, copy_graph_ms=cpg, peak_mib=peak, relerr=err))
+            rows.append(dict(workload=name, impl=impl, dtype=dtype_label(), ms=t, graph_ms=tg, floor_ms=fl,
+                             copy_ms=cp, copy_graph_ms=cpg, peak_mib=peak, relerr=err,
+                             max_relerr=max_err))
         del Q, D, ref
         torch.cuda.empty_cache()
     return rows
 
 
 def train_impls(ms, pe):
-    impls = {"maxsim": lambda Q, D: ms.maxsim(Q, D),
-             "naive": lambda Q, D: torch.einsum("qid,njd->qnij", Q, D).amax(-1).float().sum(-1)}
+    impls = maxsim_variants(lambda p: lambda Q, D: ms.maxsim(Q, D, precision=p))
+    impls["naive"] = lambda Q, D: torch.einsum("qid,njd->qnij", Q, D).amax(-1).float().sum(-1)
     if "lik" in pe:
         impls["lik"] = lambda Q, D: pe["lik"].maxsim(Q, D)
     if "flash-maxsim" in pe:
@@ -292,7 +314,7 @@ def run_train(ms, pe, only):
                     # naive rounds the similarity grid to bf16: coarse but not wrong
                     if not err < (0.2 if impl == "naive" else 2e-2):
                         print(f"{name:<18} {impl:<14} WRONG grad relerr {err:.2e}")
-                        rows.append(dict(workload=name, impl=impl, dtype="bf16", fwd_bwd_ms=None, relerr=err))
+                        rows.append(dict(workload=name, impl=impl, dtype=dtype_label(), fwd_bwd_ms=None, relerr=err))
                         continue
                 del s
 
@@ -304,19 +326,19 @@ def run_train(ms, pe, only):
                 tg = graph_ms(step, calls=5)
             except torch.cuda.OutOfMemoryError:
                 print(f"{name:<18} {impl:<14} out of memory")
-                rows.append(dict(workload=name, impl=impl, dtype="bf16", fwd_bwd_ms=None, error="oom"))
+                rows.append(dict(workload=name, impl=impl, dtype=dtype_label(), fwd_bwd_ms=None, error="oom"))
                 Q = D = None
                 torch.cuda.empty_cache()
                 continue
             except Exception as e:  # noqa: BLE001
                 print(f"{name:<18} {impl:<14} failed: {type(e).__name__}: {str(e)[:80]}")
-                rows.append(dict(workload=name, impl=impl, dtype="bf16", fwd_bwd_ms=None, error=str(e)[:200]))
+                rows.append(dict(workload=name, impl=impl, dtype=dtype_label(), fwd_bwd_ms=None, error=str(e)[:200]))
                 continue
             es = "-" if err is None else f"{err:.1e}"
             gs = "-" if tg is None else f"{tg:.4f}"
             rs = "-" if retained is None else f"{retained:.2f}"
             print(f"{name:<18} {impl:<14} {t:10.4f} {gs:>8} {rs:>12} {peak:9.1f} {es:>9}", flush=True)
-            rows.append(dict(workload=name, impl=impl, dtype="bf16", fwd_bwd_ms=t, fwd_bwd_graph_ms=tg,
+            rows.append(dict(workload=name, impl=impl, dtype=dtype_label(), fwd_bwd_ms=t, fwd_bwd_graph_ms=tg,
                              retained_mib=retained, peak_mib=peak, relerr=err))
             Q = D = None
         torch.cuda.empty_cache()
@@ -359,7 +381,7 @@ def cold_start(impls):
             continue
         load, first, second = map(float, r.stdout.split()[-3:])
         print(f"cold start {impl:<14} load {load:8.1f} ms   first call {first:9.1f} ms   second {second:7.2f} ms")
-        rows.append(dict(workload="cold-start 32x1000 Lq32 Ld300", impl=impl, dtype="bf16",
+        rows.append(dict(workload="cold-start 32x1000 Lq32 Ld300", impl=impl, dtype=dtype_label(),
                          load_ms=load, first_call_ms=first, second_call_ms=second))
     return rows
 
@@ -370,7 +392,10 @@ def main():
     ap.add_argument("--cold-start", action="store_true")
     ap.add_argument("--train", action="store_true", help="also the training (fwd+bwd) rows")
     ap.add_argument("--out", default="")
+    ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_NAMES), help="token dtype of every row")
     args = ap.parse_args()
+    global DTYPE
+    DTYPE = DTYPE_NAMES[args.dtype]
     only = set(filter(None, args.only.split(",")))
     ms = load_maxsim()
     pe = peers()
@@ -382,7 +407,8 @@ def main():
         rows += run_train(ms, pe, only)
     if args.cold_start:
         rows += cold_start(["naive", "maxsim"] + list(pe))
-    write_results(rows, args.out, "", copy_tb_s=bw / 1e12, matmul_tflop_s=flops / 1e12)
+    write_results(rows, args.out, "" if DTYPE == torch.bfloat16 else "-" + dtype_label(),
+                  copy_tb_s=bw / 1e12, matmul_tflop_s=flops / 1e12, dtype=dtype_label())
 
 
 def write_results(rows, out, suffix: str, **meta) -> None:

@@ -17,15 +17,16 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_gpu import DIM, FORWARD, TRAIN  # noqa: E402
 
 CROSS, GROUPED, LIST = 0, 1, 2
+PRECISION = {"default": 0, "tf32": 1, "exact": 2}  # the op's codes (plan::Precision)
 
 
 def plan(ms, layout, nq, nd, lq, ld, *, dim=128, dtype=torch.bfloat16, arch=90, sms=None, argmax=False,
-         tf32=False, normalize=False, quant=False, uniform_doc_scales=False, align=16, force=""):
+         precision="default", normalize=False, quant=False, uniform_doc_scales=False, align=16, force=""):
     """The plan of nq queries of lq rows against nd documents of ld tokens
     (GROUPED: nd documents in all, nd / nq per query; LIST: nd pairs)."""
     pairs = nq * nd if layout == CROSS else nd
     words = ms.ops.plan_forward(layout, nq, nd, nq * lq, nd * ld, pairs, lq, dim, dtype, quant,
-                                uniform_doc_scales, argmax, tf32, normalize, align, arch,
+                                uniform_doc_scales, argmax, PRECISION[precision], normalize, align, arch,
                                 -1 if sms is None else sms, force)
     out = {}
     for word in words.split():
@@ -137,9 +138,31 @@ def test_quantized_paths(ms):
 
 
 def test_tile_kernel_rules(ms):
-    # fp32 exact: SIMT; tf32: the tensor cores.
-    assert plan(ms, CROSS, 8, 100, 32, 300, dtype=torch.float32)["family"] == "simt"
-    assert plan(ms, CROSS, 8, 100, 32, 300, dtype=torch.float32, tf32=True, arch=80)["cfg"] == 2
+    # fp32: split 3xTF32 on the mma.sync kernel by default, one TF32 product
+    # for tf32, SIMT for exact; never wgmma or the streams (no fp32 kernels).
+    f32 = dict(dtype=torch.float32)
+    p = plan(ms, CROSS, 8, 100, 32, 300, **f32)
+    assert (p["family"], p["cfg"], p["split"]) == ("mma", 2, 1), p
+    p = plan(ms, CROSS, 8, 100, 32, 300, precision="tf32", arch=80, **f32)
+    assert (p["family"], p["cfg"], p["split"]) == ("mma", 2, 0), p
+    assert plan(ms, CROSS, 8, 100, 32, 300, precision="exact", **f32)["family"] == "simt"
+    # The bench's fp32 rows: the stream / wgmma rows of bf16 take mma.sync.
+    for layout, nq, nd, lq, ld in ((CROSS, 1, 1000, 32, 300), (CROSS, 1, 10000, 32, 300),
+                                   (CROSS, 128, 128, 32, 300), (CROSS, 1, 1000, 1024, 1024),
+                                   (GROUPED, 32, 32 * 100, 32, 180), (LIST, 64, 640, 32, 300)):
+        for argmax in (False, True):
+            for normalize in (False, True):
+                p = plan(ms, layout, nq, nd, lq, ld, argmax=argmax, normalize=normalize, **f32)
+                assert (p["family"], p["split"]) == ("mma", 1), (layout, nq, nd, lq, ld, p)
+    # Unaligned fp32 rows (no 4-byte vector loads): SIMT at every precision.
+    assert plan(ms, CROSS, 1, 100, 32, 300, align=2, **f32)["family"] == "simt"
+    # Other dtypes ignore precision.
+    for prec in PRECISION:
+        p = plan(ms, CROSS, 8, 100, 32, 300, precision=prec, arch=80)
+        assert (p["family"], p["split"]) == ("mma", 0), p
+    with pytest.raises(RuntimeError, match="bad precision"):
+        ms.ops.plan_forward(CROSS, 1, 1, 1, 1, 1, 1, 8, torch.float32, False, False, False, 3, False, 16, 90,
+                            -1, "")
     # Stacked CROSS queries pick the narrowest tile holding them.
     assert plan(ms, CROSS, 2, 100, 16, 300, arch=80)["cfg"] == 0
     assert plan(ms, CROSS, 2, 100, 32, 300, arch=80)["cfg"] == 1
@@ -176,7 +199,7 @@ def test_every_plan_is_built(ms):
                              (torch.bfloat16, torch.float32), (False, True))
     for arch, layout, nq, lq, dim, dtype, argmax in grid:
         p = plan(ms, layout, nq, nq * 10, lq, 200, dim=dim, dtype=dtype, arch=arch, argmax=argmax,
-                 tf32=dtype == torch.float32)
+                 precision="tf32" if lq % 2 else "default")
         if p["family"] in ("mma",):
             assert 0 <= p["cfg"] < p["mma_configs"], p
             seen.add(p["cfg"])

@@ -452,7 +452,8 @@ struct Mma<float> {  // TF32 (operands passed as raw fp32 bits)
 struct Tf32x3 {};
 __device__ __forceinline__ void split_tf32(uint32_t x, uint32_t& hi, uint32_t& lo) {
   asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(hi) : "f"(__uint_as_float(x)));
-  const float r = __uint_as_float(x) - __uint_as_float(hi);
+  float r = __uint_as_float(x) - __uint_as_float(hi);
+  r = r == r ? r : 0.f;  // x = +-inf: hi carries it (a NaN lo would turn inf scores into NaN)
   asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(lo) : "f"(r));
 }
 template <>
