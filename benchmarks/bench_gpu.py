@@ -402,13 +402,18 @@ def main():
     gpu = torch.cuda.get_device_name()
     bw, flops = ceilings()
     print(f"{gpu}, torch {torch.__version__}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s")
+    def save(rows):  # after each part, so that a run cut short keeps what it measured
+        write_results(rows, args.out, "" if DTYPE == torch.bfloat16 else "-" + dtype_label(),
+                      copy_tb_s=bw / 1e12, matmul_tflop_s=flops / 1e12, dtype=dtype_label())
+
     rows = run_forward(ms, pe, only, bw, flops)
+    save(rows)
     if args.train:
         rows += run_train(ms, pe, only)
+        save(rows)
     if args.cold_start:
         rows += cold_start(["naive", "maxsim"] + list(pe))
-    write_results(rows, args.out, "" if DTYPE == torch.bfloat16 else "-" + dtype_label(),
-                  copy_tb_s=bw / 1e12, matmul_tflop_s=flops / 1e12, dtype=dtype_label())
+        save(rows)
 
 
 def write_results(rows, out, suffix: str, **meta) -> None:
