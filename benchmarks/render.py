@@ -26,7 +26,7 @@ IMPLS = ["maxsim", "lik", "flash-maxsim", "naive"]
 # Files with their own tables (or none: the read-only replicas of read_floor.py --replica;
 # the client benchmark, tabled in docs/integrations.md).
 SPECIAL = ("-search.json", "-normalize.json", "-packed.json", "-read-floor.json", "-distributed.json",
-           "-read-replica.json", "-clients.json")
+           "-read-replica.json", "-clients.json", "-fp32.json")
 
 
 def fmt(v, nd=3):
@@ -76,6 +76,38 @@ def gpu_table(path: Path) -> str:
                 "| impl | load | first call | second call |", "|---|---|---|---|"]
         out += [f"| {r['impl']} | {r['load_ms']:.0f} | {r['first_call_ms']:.0f} | {r['second_call_ms']:.2f} |"
                 for r in cold]
+    return "\n".join(out)
+
+
+FP32_IMPLS = ["maxsim", "maxsim-exact", "maxsim-tf32", "lik", "flash-maxsim", "naive"]
+
+
+def fp32_table(path: Path) -> str:
+    """fp32 tokens: each implementation's graph ms and relative error against
+    fp64 (maxsim = the default split 3xTF32 path)."""
+    m, rows = load(path)
+    by = {(r["workload"], r["impl"]): r for r in rows}
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    out = [f"fp32 tokens, **{provenance(m)}**; cells: graph ms (relative error vs fp64); the floor counts "
+           "4-byte tokens.", "", "| workload | pass | floor | " + " | ".join(FP32_IMPLS) + " |",
+           "|---|---|---|" + "---|" * len(FP32_IMPLS)]
+    for kind, key, graph in (("fwd", "ms", "graph_ms"), ("fwd+bwd", "fwd_bwd_ms", "fwd_bwd_graph_ms")):
+        for w in workloads:
+            if key not in by.get((w, "maxsim"), {}):
+                continue
+            cells = []
+            for impl in FP32_IMPLS:
+                r = by.get((w, impl))
+                if r is None:
+                    cells.append("")
+                elif r.get(key) is None:
+                    cells.append(r.get("error", "fails"))
+                else:
+                    t = r.get(graph) if r.get(graph) is not None else r[key]
+                    err = "" if r.get("relerr") is None else f" ({r['relerr']:.1e})"
+                    cells.append(f"{fmt(t)}{err}")
+            floor = by[(w, "maxsim")].get("floor_ms") if kind == "fwd" else None
+            out.append(f"| {w} | {kind} | {fmt(floor)} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
@@ -184,7 +216,8 @@ def performance_section() -> str:
     parts = []
     for p in gpu_files():
         parts += [gpu_table(p), chart_links(p)]
-    for suffix, table in (("-normalize.json", normalize_table), ("-packed.json", packed_table),
+    for suffix, table in (("-fp32.json", fp32_table), ("-normalize.json", normalize_table),
+                          ("-packed.json", packed_table),
                           ("-read-floor.json", read_floor_table), ("-distributed.json", distributed_table)):
         parts += [table(p) for p in sorted(RESULTS.glob(f"*{suffix}"))]
     if (RESULTS / "cpu.json").exists():

@@ -139,7 +139,7 @@ def test_near_ties_argmax(ms, device):
     s, a = ms.score_candidates_padded_with_argmax(Q, D[:, None], precision="default")
     assert torch.equal(a.view(n).cpu(), a_ex.view(n).cpu())
     ref = (Q.double().cpu() @ D.double().cpu().transpose(1, 2)).amax(-1).view(n, 1)
-    assert relerr(s, ref) <= 1e-6
+    assert relerr(s, ref) <= 2e-6  # single dots: the per-dot bound (docs/api.md), no averaging over rows
     # The same rows through the contrastive and packed-pair layouts.
     off = torch.arange(0, 4 * n + 1, 4, device=device)
     _, a2 = ms.score_pairs_packed_with_argmax(Q.reshape(n, -1), torch.arange(n + 1, device=device),
@@ -213,7 +213,8 @@ def test_gradients_fp64(ms, device, precision, layout):
 
 @pytest.mark.parametrize("precision", ["default", "exact"])
 def test_compile_and_graph(ms, device, precision):
-    """precision= under torch.compile(fullgraph=True) (fake impls)."""
+    """precision= under torch.compile(fullgraph=True) (fake impls), from a
+    cold index cache (shapes no other test uses)."""
     Q, D = rand(2, 9, 32, device=device), rand(5, 20, 32, device=device)
-    f = torch.compile(lambda q, d: ms.maxsim(q, d, precision=precision), fullgraph=True, backend="eager")
+    f = torch.compile(lambda q, d: ms.maxsim(q, d, precision=precision), fullgraph=True, backend="aot_eager")
     assert relerr(f(Q, D), ms.maxsim_reference(Q.double(), D.double())) <= 1e-6

@@ -44,7 +44,7 @@ std::tuple<Tensor, Tensor> call_forward_train(const Tensor& q, const Tensor& q_s
                        .typed<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
                                                          const OptTensor&, const Tensor&, const Tensor&,
                                                          const Tensor&, const OptTensor&, const OptTensor&,
-                                                         const OptTensor&, int64_t, int64_t, int64_t, bool, bool)>();
+                                                         const OptTensor&, int64_t, int64_t, int64_t, int64_t, bool)>();
   return op.call(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d, layout, lq, argmax_kind,
                  precision, normalize);
 }

@@ -34,8 +34,10 @@ def cached_index(key: tuple, device, build):
     if hit is not None:
         return hit
     val = build()
+    if torch.compiler.is_compiling():  # before the capture query, which a traced graph cannot hold
+        return val
     capturing = torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if not capturing and not torch.compiler.is_compiling() and len(_INDEX_CACHE) < 256:
+    if not capturing and len(_INDEX_CACHE) < 256:
         _INDEX_CACHE[key] = val
     return val
 

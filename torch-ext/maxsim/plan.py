@@ -45,15 +45,16 @@ def _ptr_align(*tensors: Tensor) -> int:
 
 
 def explain(Q: Tensor, D: Tensor, q_mask: Optional[Tensor] = None, d_mask: Optional[Tensor] = None, *,
-            normalize: bool = False, precision: Optional[str] = None, tf32: bool = False, arch: Union[int, str, None] = None,
-            sm_count: Optional[int] = None, force: Optional[str] = None) -> dict:
+            normalize: bool = False, precision: Optional[str] = None, tf32: bool = False,
+            arch: Union[int, str, None] = None, sm_count: Optional[int] = None,
+            force: Optional[str] = None) -> dict:
     """The CUDA forward plan of ``maxsim.maxsim(Q, D, q_mask, d_mask, normalize=, precision=)``.
 
     Returns a dict with ``family`` (``"stream"``, ``"stream_wg"``, ``"mma"``,
     ``"wgmma"``, ``"simt"`` or ``"none"``) and the plan's integers (e.g.
     ``cfg``, ``splits``, ``grid``; ``split`` 1 on ``"mma"`` when fp32 tokens
-    take split 3xTF32 products, 0 for one TF32 product or 16/8-bit tokens). On a CUDA tensor with no override the plan
-    is the device's own (its occupancy included). ``arch`` (``"9.0a"``,
+    take split 3xTF32 products, 0 for one TF32 product or 16/8-bit tokens).
+    On a CUDA tensor with no override the plan is the device's own (its occupancy included). ``arch`` (``"9.0a"``,
     ``"8.0"``, or 90 / 80 / 86 / 89) and ``sm_count`` plan for another device,
     from a model of its shared memory and occupancy (default for CPU tensors:
     sm_90a with 132 SMs); ``force`` names a family to take where it can.
@@ -72,7 +73,8 @@ def explain(Q: Tensor, D: Tensor, q_mask: Optional[Tensor] = None, d_mask: Optio
         arch_n = _DEFAULT_ARCH if arch is None else _arch_number(arch)
         sms = (_DEFAULT_SMS if arch is None else -1) if sm_count is None else sm_count
     words = ops.plan_forward(layout, Nq, n_docs, Nq * Lq, n_docs * D.shape[-2], pairs, Lq, dim, Q.dtype,
-                             False, False, train, precision_code(precision, tf32), normalize, _ptr_align(Q, D), arch_n, sms, force or "")
+                             False, False, train, precision_code(precision, tf32), normalize, _ptr_align(Q, D),
+                             arch_n, sms, force or "")
     plan = {}
     for word in words.split():
         key, _, value = word.partition("=")
