@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import lengths_mask, rand, relerr
+from conftest import capture_cuda_graph, lengths_mask, rand, relerr
 
 # Documented bounds (docs/api.md): relative error of the scores against fp64
 # on unit-norm tokens. The CPU and the exact path meet the default's bound.
@@ -214,7 +214,17 @@ def test_gradients_fp64(ms, device, precision, layout):
 @pytest.mark.parametrize("precision", ["default", "exact"])
 def test_compile_and_graph(ms, device, precision):
     """precision= under torch.compile(fullgraph=True) (fake impls), from a
-    cold index cache (shapes no other test uses)."""
+    cold index cache (shapes no other test uses), and in a CUDA graph."""
     Q, D = rand(2, 9, 32, device=device), rand(5, 20, 32, device=device)
+    ref = ms.maxsim_reference(Q.double(), D.double())
     f = torch.compile(lambda q, d: ms.maxsim(q, d, precision=precision), fullgraph=True, backend="aot_eager")
-    assert relerr(f(Q, D), ms.maxsim_reference(Q.double(), D.double())) <= 1e-6
+    assert relerr(f(Q, D), ref) <= 1e-6
+    if device == "cuda":
+        Q2, D2 = Q.clone(), D.clone()
+        graph, out = capture_cuda_graph(lambda: ms.score_contrastive_with_argmax(
+            Q2, D2.reshape(-1, 32), torch.arange(0, 101, 20, device=device), precision=precision))
+        Q2.copy_(rand(2, 9, 32, device=device))
+        graph.replay()
+        s, am = ms.score_contrastive_with_argmax(Q2, D2.reshape(-1, 32), torch.arange(0, 101, 20, device=device),
+                                                 precision=precision)
+        assert torch.equal(out[0], s) and torch.equal(out[1], am)
