@@ -18,7 +18,7 @@ from .reference import (
     score_pairs_packed_with_argmax_reference,
 )
 from .corpus import Corpus
-from .plan import explain
+from .plan import explain, forcing
 from .quantization import quantize_tokens
 from .retrieval import search
 from .scoring import (
@@ -42,6 +42,7 @@ __all__ = [
     "checks",
     "distributed",
     "explain",
+    "forcing",
     "integrations",
     "keys",
     "layers",
