@@ -103,6 +103,7 @@ std::string plan_forward(int64_t layout, int64_t nq, int64_t nd, int64_t tq, int
   TORCH_CHECK(layout >= 0 && layout <= 2, "maxsim: plan_forward: bad layout");
   TORCH_CHECK(nq >= 0 && nd >= 0 && tq >= 0 && td >= 0 && pairs >= 0 && lq >= 0 && dim >= 1,
               "maxsim: plan_forward: sizes must be >= 0 (dim >= 1)");
+  TORCH_CHECK(precision >= 0 && precision <= 2, "maxsim: plan_forward: bad precision");
   plan::Request r = forward_request(layout, nq, nd, tq, td, pairs, lq, dim, dtype, quant, uniform_doc_scales, argmax,
                                     precision, normalize);
   r.ptr_align = (int)ptr_align;
