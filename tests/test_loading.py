@@ -101,3 +101,21 @@ def test_constant_result_mark_matches_torch(ms):
     torch.compiler.assume_constant_result(a)
     ms.checks._assume_constant_result(b)
     assert a.__dict__ == b.__dict__ == {"_dynamo_marked_constant": True}
+
+
+def test_release_cuda_flags_in_both_builds():
+    """tools/build.py and build.toml (the kernel-builder release build)
+    compile CUDA with the same release flags, and neither with -lineinfo."""
+    import importlib.util
+    import tomllib
+
+    spec = importlib.util.spec_from_file_location("maxsim_build_tool", ROOT / "tools" / "build.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    cfg = tomllib.loads((ROOT / "build.toml").read_text())
+    sections = [k for k in cfg["kernel"].values() if k["backend"] == "cuda"]
+    assert sections and tool.RELEASE_CUDA_FLAGS
+    for k in sections:
+        flags = k.get("cuda-flags", [])
+        assert all(f in flags for f in tool.RELEASE_CUDA_FLAGS), flags
+        assert "-lineinfo" not in flags
