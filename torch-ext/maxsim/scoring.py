@@ -377,7 +377,8 @@ def maxsim(Q: Tensor, D: Tensor, q_mask: Optional[Tensor] = None, d_mask: Option
     plan = _MAXSIM_PLANS.get(key) if key is not None else None
     if plan is None:
         plan = _maxsim_plan(Q, D, q_mask, d_mask)
-        if key is not None and len(plan) > 2 and len(_MAXSIM_PLANS) < 256 and index_cached(plan[0]):
+        if (key is not None and len(plan) > 2 and len(_MAXSIM_PLANS) < 256
+                and index_cached(plan[0]) and index_cached(plan[2])):
             _MAXSIM_PLANS[key] = plan
     if len(plan) == 2:
         return empty_scores(plan, Q, D)
