@@ -30,7 +30,7 @@ def test_from_hidden_forward_and_gradients(ms, device, bias, normalize, chunk_mi
     leaves = [t.clone().requires_grad_(True) for t in (Q, H, W) + ((b,) if bias else ())]
     out = ms.maxsim_from_hidden(*leaves[:3], leaves[3] if bias else None, d_mask, normalize=normalize,
                                 chunk_mib=chunk_mib)
-    refs = [t.double().clone().requires_grad_(True) for t in leaves]
+    refs = [t.detach().double().requires_grad_(True) for t in leaves]
     ref = ms.head.maxsim_from_hidden_reference(*refs[:3], refs[3] if bias else None, d_mask, normalize=normalize)
     assert out.shape == (2, 5) and relerr(out, ref, floor=1.0) < 1e-5
     assert torch.all(out[:, 3] == 0)

@@ -224,10 +224,10 @@ def test_compiled_fullgraph(ms, device):
     assert torch.allclose(f(Q), ms.plaid.maxsim_residual_varlen(Q, codes, res, cu, cent, bw, 2), rtol=1e-6, atol=1e-6)
 
 
-def _clustered(T_docs, L, d, topics, gen):
+def _clustered(T_docs, L, d, topics, gen, noise=0.3):
     centers = torch.nn.functional.normalize(torch.randn(topics, d, generator=gen), dim=-1)
     assign = torch.randint(0, topics, (T_docs, L), generator=gen)
-    x = centers[assign] + 0.35 * torch.randn(T_docs, L, d, generator=gen) / d ** 0.5 * 4
+    x = centers[assign] + noise * torch.randn(T_docs, L, d, generator=gen) / d ** 0.5
     return torch.nn.functional.normalize(x, dim=-1), centers
 
 
