@@ -7,7 +7,8 @@ Rows (``workload``, ``impl``, ``ms``, and per row ``floor_ms`` / recall / bytes)
   (flat cu_seqlens layout; the peer's padded one too);
 - approx-<docs>: PLAID's centroid scores over docs of 300 tokens;
 - search-<docs>-<nbits>b: search on a plaid corpus vs exact bf16 search
-  (latency, recall@10 / @100, bytes per token) on clustered data;
+  (latency, recall@10 / @100, bytes per token) on clustered data, the exact
+  re-score on the decompressed tokens or on the kept originals;
 - head-fwd / head-train: MaxSim from hidden states [Nd, Ld, 768] through a
   768 -> 128 head, forward and forward + backward.
 
@@ -169,11 +170,14 @@ def bench_search(ms, rows, dev, run, n, nq, reps):
     for nbits in (2, 4):
         t0 = time.perf_counter()
         pc = ms.Corpus(docs, device=dev, storage="cpu" if dev.type == "cpu" else "device", quantization="plaid",
-                       nbits=nbits)
+                       nbits=nbits, rescore="device")
         build_s = round(time.perf_counter() - t0, 2)
-        for cands, nprobe in ((1000, None), (4000, None), (1000, 32)):
+        # the same corpus re-scoring on its decompressed tokens, then on its originals
+        originals, pc.originals = pc.originals, None
+        for cands, nprobe, orig in ((1000, None, False), (4000, None, False), (1000, 32, False), (1000, None, True)):
+            pc.originals = originals if orig else None
             _, ids = ms.search(Q, pc, 100, candidates=cands, nprobe=nprobe)
-            label = f"maxsim-plaid-c{cands}" + (f"-p{nprobe}" if nprobe else "")
+            label = f"maxsim-plaid-c{cands}" + (f"-p{nprobe}" if nprobe else "") + ("+rescore-device" if orig else "")
             row(rows, f"search-{n}-{nbits}b", label,
                 run(lambda: ms.search(Q, pc, 100, candidates=cands, nprobe=nprobe), reps=reps),
                 recall10=recall(ids, ref, 10), recall100=recall(ids, ref, 100),
