@@ -285,3 +285,24 @@ def test_from_plaid_wraps_without_copy(ms, device):
     ref = ms.plaid.maxsim_residual_varlen(Q, codes, res, cu, cent, bw, 2)
     assert torch.allclose(scores, ref[ids], rtol=1e-6, atol=1e-6)
     assert sorted(ids.tolist()) == [0, 1, 2]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_capture(ms):
+    """The flat-layout scoring and a plaid search without nprobe make no host sync."""
+    from conftest import capture_cuda_graph
+
+    codes, res, cent, bw = _codec(ms, 300, 64, 16, 2, "cuda")
+    cu = torch.tensor([0, 100, 100, 300], dtype=torch.int32, device="cuda")
+    Q = torch.randn(2, 9, 64, device="cuda")
+    qcs = torch.randn(16, 9, device="cuda")
+    graph, (s, a) = capture_cuda_graph(lambda: (ms.plaid.maxsim_residual_varlen(Q, codes, res, cu, cent, bw, 2),
+                                                ms.plaid.approx_scores(qcs, codes, cu_seqlens=cu)))
+    Q.copy_(torch.randn_like(Q))
+    graph.replay()
+    assert torch.allclose(s, ms.plaid.maxsim_residual_varlen(Q, codes, res, cu, cent, bw, 2), rtol=1e-6, atol=1e-6)
+    corpus = ms.Corpus.from_plaid(codes, res, cent, bw, 2, cu)
+    graph, (sc, ids) = capture_cuda_graph(lambda: ms.search(Q, corpus, 2))
+    graph.replay()
+    ref_s, ref_ids = ms.search(Q, corpus, 2)
+    assert torch.equal(ids, ref_ids) and torch.allclose(sc, ref_s)

@@ -30,6 +30,13 @@ MAXSIM_HD int bucket_of(const uint8_t* row, int64_t f, int nbits) {
   return (row[f / per_byte] >> shift) & ((1 << nbits) - 1);
 }
 
+// The same with nbits known at compile time (shifts, no divisions).
+template <int NBITS>
+MAXSIM_HD int bucket_of(const uint8_t* row, int f) {
+  constexpr int kPerByte = 8 / NBITS;
+  return (row[f / kPerByte] >> ((f % kPerByte) * NBITS)) & ((1 << NBITS) - 1);
+}
+
 MAXSIM_HD int32_t clamp_code(int32_t c, int64_t n_centroids) {
   return c >= 0 && c < n_centroids ? c : 0;
 }

@@ -15,6 +15,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <cmath>
+#include <type_traits>
 
 #include "../common/smem_opt_in.h"
 #include "plaid_args.h"
@@ -41,7 +42,6 @@ struct Codec {
   const uint8_t* __restrict__ res;
   const float* __restrict__ cent;
   int64_t dim, packed, n_centroids, tokens;
-  int nbits;
 };
 
 // A document's token range; len -1 when it leaves [0, tokens) (scores NaN).
@@ -52,6 +52,7 @@ __device__ __forceinline__ void doc_range(const int32_t* st, const int32_t* ln, 
   if (s < 0 || s + l > tokens) l = -1;
 }
 
+template <int NBITS>
 __global__ void __launch_bounds__(kThreads) plaid_forward_kernel(
     const float* __restrict__ q, Codec cd, const float* __restrict__ bw, const int32_t* __restrict__ d_start,
     const int32_t* __restrict__ d_len, const int32_t* __restrict__ pair_q, int64_t nq, int64_t lq, int64_t nd,
@@ -76,7 +77,7 @@ __global__ void __launch_bounds__(kThreads) plaid_forward_kernel(
       for (int64_t s = tid; s < lq; s += kThreads) argmax[p * lq + s] = -1;
     return;
   }
-  for (int b = tid; b < (1 << cd.nbits); b += kThreads) bws[b] = bw[b];
+  for (int b = tid; b < (1 << NBITS); b += kThreads) bws[b] = bw[b];
   const float* qi = q + i * lq * cd.dim;
   float score = 0.f;
   for (int64_t s0 = 0; s0 < lq; s0 += 32) {
@@ -89,15 +90,16 @@ __global__ void __launch_bounds__(kThreads) plaid_forward_kernel(
     int arg = -1;
     for (int64_t t0 = 0; t0 < len; t0 += kTile) {
       __syncthreads();  // ds of the previous tile fully read
-      for (int idx = tid; idx < kTile * dp; idx += kThreads) {
-        const int t = idx / dp, f = idx % dp;
+      // (t, f) walks the tile row-major, kThreads elements a step, without divisions
+      for (int t = tid / dp, f = tid % dp; t < kTile;) {
         float v = 0.f;
         if (t0 + t < len && f < cd.dim) {
           const int64_t row = start + t0 + t;
           const int32_t c = plaid::clamp_code(cd.codes[row], cd.n_centroids);
-          v = cd.cent[(int64_t)c * cd.dim + f] + bws[plaid::bucket_of(cd.res + row * cd.packed, f, cd.nbits)];
+          v = cd.cent[(int64_t)c * cd.dim + f] + bws[plaid::bucket_of<NBITS>(cd.res + row * cd.packed, f)];
         }
         ds[t * dp + f] = v;
+        for (f += kThreads; f >= dp; f -= dp) ++t;
       }
       __syncthreads();
       const float* mine = ds + warp * kPerWarp * dp;
@@ -193,6 +195,7 @@ __global__ void plaid_approx_kernel(const float* __restrict__ qcs, const int32_t
   if (lane == 0) out[p] = score;
 }
 
+template <int NBITS>
 __global__ void plaid_backward_kernel(const float* __restrict__ grad, Codec cd, const float* __restrict__ bw,
                                       const int32_t* __restrict__ d_start, const int32_t* __restrict__ d_len,
                                       const int32_t* __restrict__ argmax, int64_t rows, int64_t lq, int64_t nd,
@@ -215,7 +218,7 @@ __global__ void plaid_backward_kernel(const float* __restrict__ grad, Codec cd, 
 #pragma unroll
     for (int j = 0; j < kBwdSlots; ++j) {
       const int64_t f = lane + 32 * j;
-      v[j] = f < cd.dim ? c[f] + bw[plaid::bucket_of(rb, f, cd.nbits)] : 0.f;
+      v[j] = f < cd.dim ? c[f] + bw[plaid::bucket_of<NBITS>(rb, (int)f)] : 0.f;
       ss += v[j] * v[j];
     }
     float g = grad[i * nd + n];
@@ -230,9 +233,20 @@ __global__ void plaid_backward_kernel(const float* __restrict__ grad, Codec cd, 
   }
 }
 
-Codec codec_of(const at::Tensor& codes, const at::Tensor& res, const at::Tensor& cent, int64_t nbits) {
+// kernel<2>, kernel<4> or kernel<8> by nbits (checked to be one of them).
+template <typename Fn>
+void with_nbits(int64_t nbits, Fn&& fn) {
+  if (nbits == 2)
+    fn(std::integral_constant<int, 2>{});
+  else if (nbits == 4)
+    fn(std::integral_constant<int, 4>{});
+  else
+    fn(std::integral_constant<int, 8>{});
+}
+
+Codec codec_of(const at::Tensor& codes, const at::Tensor& res, const at::Tensor& cent) {
   return {codes.data_ptr<int32_t>(), res.data_ptr<uint8_t>(), cent.data_ptr<float>(), cent.size(1), res.size(1),
-          cent.size(0), codes.size(0), (int)nbits};
+          cent.size(0), codes.size(0)};
 }
 
 }  // namespace
@@ -281,13 +295,16 @@ std::tuple<at::Tensor, at::Tensor> plaid_forward_cuda(const at::Tensor& q_in, co
                (long long)sh.pairs);
   const int dp = (int)((sh.dim + 3) / 4 * 4);
   const size_t smem = sizeof(float) * (32 * (dp + 4) + kTile * dp + 256 + 2 * kWarps * 32);
-  static int opted[kSmemOptInDevices] = {};
-  opt_in_dynamic_smem(plaid_forward_kernel, smem, opted);
-  plaid_forward_kernel<<<(unsigned)sh.pairs, kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
-      q.data_ptr<float>(), codec_of(codes, res, cent, nbits), bw.data_ptr<float>(), st.data_ptr<int32_t>(),
-      ln.data_ptr<int32_t>(), pair_q.has_value() ? pq.data_ptr<int32_t>() : nullptr, sh.nq, sh.lq, sh.nd, dp,
-      normalize, scores.data_ptr<float>(), want_argmax ? argmax.data_ptr<int32_t>() : nullptr);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  with_nbits(nbits, [&](auto nb) {
+    constexpr int NBITS = decltype(nb)::value;
+    static int opted[kSmemOptInDevices] = {};
+    opt_in_dynamic_smem(plaid_forward_kernel<NBITS>, smem, opted);
+    plaid_forward_kernel<NBITS><<<(unsigned)sh.pairs, kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
+        q.data_ptr<float>(), codec_of(codes, res, cent), bw.data_ptr<float>(), st.data_ptr<int32_t>(),
+        ln.data_ptr<int32_t>(), pair_q.has_value() ? pq.data_ptr<int32_t>() : nullptr, sh.nq, sh.lq, sh.nd, dp,
+        normalize, scores.data_ptr<float>(), want_argmax ? argmax.data_ptr<int32_t>() : nullptr);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
   return {scores, argmax};
 }
 
@@ -312,11 +329,13 @@ at::Tensor plaid_backward_cuda(const at::Tensor& grad_in, const at::Tensor& q_in
   const int64_t rows = sh.nq * sh.lq;
   if (rows == 0 || sh.dim == 0) return dq.zero_();
   const int threads = 128, per_block = threads / 32;
-  plaid_backward_kernel<<<(unsigned)((rows + per_block - 1) / per_block), threads, 0,
-                          at::cuda::getCurrentCUDAStream()>>>(
-      grad.data_ptr<float>(), codec_of(codes, res, cent, nbits), bw.data_ptr<float>(), st.data_ptr<int32_t>(),
-      ln.data_ptr<int32_t>(), argmax.data_ptr<int32_t>(), rows, sh.lq, sh.nd, normalize, dq.data_ptr<float>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  with_nbits(nbits, [&](auto nb) {
+    plaid_backward_kernel<decltype(nb)::value><<<(unsigned)((rows + per_block - 1) / per_block), threads, 0,
+                                                 at::cuda::getCurrentCUDAStream()>>>(
+        grad.data_ptr<float>(), codec_of(codes, res, cent), bw.data_ptr<float>(), st.data_ptr<int32_t>(),
+        ln.data_ptr<int32_t>(), argmax.data_ptr<int32_t>(), rows, sh.lq, sh.nd, normalize, dq.data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
   return dq;
 }
 
