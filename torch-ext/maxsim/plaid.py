@@ -95,7 +95,12 @@ def decompress(codes: Tensor, residuals: Tensor, centroids: Tensor, bucket_weigh
     return cent[c] + bucket_weights.float()[unpack(residuals, nbits, cent.shape[1])]
 
 
-def kmeans(x: Tensor, k: int, *, iters: int = 10, seed: int = 0, chunk: int = 1 << 16) -> Tensor:
+def _rows_per_chunk(n_centroids: int) -> int:
+    """Rows scored against every centroid at once: ~2^28 scores (1 GiB fp32)."""
+    return max(256, (1 << 28) // max(n_centroids, 1))
+
+
+def kmeans(x: Tensor, k: int, *, iters: int = 10, seed: int = 0) -> Tensor:
     """Spherical k-means of the rows of ``x [T, d]`` on ``x``'s device (as
     ColBERTv2 trains its centroids): ``k`` unit-norm fp32 centroids ``[k, d]``,
     seeded with ``k`` distinct rows; an emptied cluster keeps its centroid."""
@@ -105,6 +110,7 @@ def kmeans(x: Tensor, k: int, *, iters: int = 10, seed: int = 0, chunk: int = 1 
     g = torch.Generator(device="cpu").manual_seed(seed)
     xs = F.normalize(x.float(), dim=-1)
     cent = xs[torch.randperm(x.shape[0], generator=g)[:k].to(x.device)].clone()
+    chunk = _rows_per_chunk(k)
     for _ in range(iters):
         sums = torch.zeros_like(cent)
         counts = torch.zeros(k, device=x.device, dtype=torch.float32)
@@ -118,9 +124,10 @@ def kmeans(x: Tensor, k: int, *, iters: int = 10, seed: int = 0, chunk: int = 1 
     return cent
 
 
-def nearest_centroid(x: Tensor, centroids: Tensor, chunk: int = 1 << 16) -> Tensor:
+def nearest_centroid(x: Tensor, centroids: Tensor) -> Tensor:
     """int32 codes ``[T]``: the centroid of largest inner product with each row."""
     cent = centroids.float()
+    chunk = _rows_per_chunk(cent.shape[0])
     out = [(x[r0:r0 + chunk].float() @ cent.T).argmax(1) for r0 in range(0, x.shape[0], chunk)]
     return torch.cat(out).to(torch.int32) if out else x.new_empty((0,), dtype=torch.int32)
 
@@ -139,14 +146,14 @@ def bucket_params(residual_sample: Tensor, nbits: int) -> tuple[Tensor, Tensor]:
     return cutoffs, weights
 
 
-def compress(x: Tensor, centroids: Tensor, bucket_cutoffs: Tensor, nbits: int, *,
-             chunk: int = 1 << 16) -> tuple[Tensor, Tensor]:
+def compress(x: Tensor, centroids: Tensor, bucket_cutoffs: Tensor, nbits: int) -> tuple[Tensor, Tensor]:
     """Tokens ``x [T, d]`` -> (codes int32 [T], residuals uint8 [T, P]):
     the nearest centroid by inner product and the bucket of each residual
     feature (``searchsorted`` on the cutoffs, right side)."""
     _check_nbits(nbits)
-    codes = nearest_centroid(x, centroids, chunk)
+    codes = nearest_centroid(x, centroids)
     cut = bucket_cutoffs.float().contiguous()
+    chunk = 1 << 18
     parts = []
     for r0 in range(0, x.shape[0], chunk):
         r = x[r0:r0 + chunk].float() - centroids.float()[codes[r0:r0 + chunk].long()]
