@@ -24,7 +24,8 @@ inline Shapes check_forward(const at::Tensor& q, const at::Tensor& codes, const 
                             const at::Tensor& d_len, const std::optional<at::Tensor>& pair_q, int64_t nbits) {
   MAXSIM_CHECK(nbits == 2 || nbits == 4 || nbits == 8, "maxsim: plaid nbits must be 2, 4 or 8, got %lld",
                (long long)nbits);
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "maxsim: plaid q must be float32 [Nq, Lq, d]");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.size(2) > 0,
+              "maxsim: plaid q must be float32 [Nq, Lq, d], d >= 1");
   const at::Device dev = q.device();
   TORCH_CHECK(codes.dim() == 1 && codes.scalar_type() == at::kInt && codes.device() == dev,
               "maxsim: plaid codes must be int32 [T] on q's device");
