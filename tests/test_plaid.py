@@ -306,3 +306,19 @@ def test_cuda_graph_capture(ms):
     graph.replay()
     ref_s, ref_ids = ms.search(Q, corpus, 2)
     assert torch.equal(ids, ref_ids) and torch.allclose(sc, ref_s)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_arguments_raise(ms, device):
+    codes, res, cent, bw = _codec(ms, 20, 16, 4, 2, device)
+    cu = torch.tensor([0, 20], dtype=torch.int32, device=device)
+    Q = torch.randn(1, 3, 16, device=device)
+    with pytest.raises(ValueError, match="nbits"):
+        ms.plaid.maxsim_residual_varlen(Q, codes, res, cu, cent, bw, 3)
+    with pytest.raises(ValueError, match="bucket_weights"):
+        ms.plaid.maxsim_residual_varlen(Q, codes, res, cu, cent, bw, 4)  # 4 weights for 4 bits
+    with pytest.raises(RuntimeError, match="bytes per token"):
+        ms.plaid.maxsim_residual_varlen(Q, codes, res[:, :3], cu, cent, bw, 2)
+    st, ln = cu[:1], cu[1:]
+    with pytest.raises(RuntimeError, match="d >= 1"):
+        ms.ops.plaid_forward(Q[..., :0], codes, res[:, :0], cent[:, :0], bw, st, ln, None, 2, True, False)
