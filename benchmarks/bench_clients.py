@@ -123,19 +123,26 @@ def failures_recorded(rows: list, client: str, task: str, backend: str):
         rows.append(dict(client=client, task=task, backend=backend, error=error))
 
 
-def timed_ms(fn, device: str, reps: int) -> float:
-    """Median wall time of ``fn()`` (synchronised) over ``reps`` calls after two warm-ups."""
-    times = []
+def interleaved_ms(calls: dict, device: str, reps: int) -> dict:
+    """Median wall time of each ``calls[name] = (context, fn)`` over ``reps``
+    rounds in which every call runs once inside its context, in an order
+    rotated each round (so clock, cache and allocator drift falls on every
+    backend alike), after two warm-up rounds. Returns {name: ms}."""
+    names = list(calls)
+    times = {name: [] for name in names}
     for i in range(reps + 2):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        if i >= 2:
-            times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            context, fn = calls[name]
+            with context():
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                t = time.perf_counter()
+                fn()
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                if i >= 2:
+                    times[name].append((time.perf_counter() - t) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 # ---------------------------------------------------------------------------
@@ -203,42 +210,47 @@ def bench_pylate(ms, size, device, dtype, folder: Path) -> list[dict]:
     kd_scoring = (kd_emb[0], kd_emb[1].view(B, N, *kd_emb[1].shape[1:]), None if expanded else kd_masks[0],
                   kd_masks[1].view(B, N, -1))
 
-    rows, first_loss = [], {}
+    rows = []
     backends = [b for b in ("torch", "flash", "lik", "maxsim") if available(b, device)]
-    for backend in backends:
-        ours = backend == "maxsim"
-        with env("PYLATE_SCORES_BACKEND", None if ours else backend):
-            for task, loss_fn, loss_args, scoring_args in (
-                ("train-contrastive", losses.Contrastive(model, score_metric=ip.ColBERTScores() if ours else None),
-                 (contrastive_in, None), contrastive_scoring),
-                ("train-distillation",
-                 losses.Distillation(model, score_metric=ip.colbert_kd_scores) if ours else losses.Distillation(model),
-                 (kd_in, kd_labels), kd_scoring),
-            ):
-                with failures_recorded(rows, "pylate", task, backend):
-                    model.load_state_dict(initial)
-                    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
 
-                    def step():
-                        opt.zero_grad(set_to_none=True)
-                        loss = loss_fn(*loss_args)
-                        loss.backward()
-                        opt.step()
-                        return loss
+    def backend_env(backend):
+        return lambda: env("PYLATE_SCORES_BACKEND", None if backend == "maxsim" else backend)
 
-                    loss0 = step().item()
-                    first_loss.setdefault(task, loss0)
-                    ms_step = timed_ms(step, device, size["reps"])
+    for task, make_loss, loss_args, scoring_args in (
+        ("train-contrastive", lambda ours: losses.Contrastive(model, score_metric=ip.ColBERTScores() if ours else None),
+         (contrastive_in, None), contrastive_scoring),
+        ("train-distillation", lambda ours: losses.Distillation(model, score_metric=ip.colbert_kd_scores) if ours
+         else losses.Distillation(model), (kd_in, kd_labels), kd_scoring),
+    ):
+        steps, scorings, first = {}, {}, {}
+        for backend in backends:
+            with backend_env(backend)(), failures_recorded(rows, "pylate", task, backend):
+                loss_fn = make_loss(backend == "maxsim")
+                model.load_state_dict(initial)
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
 
-                    def scoring():
-                        q, d = (t.detach().requires_grad_(True) for t in scoring_args[:2])
-                        out = loss_fn.score_metric(q, d, *scoring_args[2:])
-                        out.backward(torch.ones_like(out))
+                def step(loss_fn=loss_fn, opt=opt):
+                    opt.zero_grad(set_to_none=True)
+                    loss = loss_fn(*loss_args)
+                    loss.backward()
+                    opt.step()
+                    return loss
 
-                    ms_score = timed_ms(scoring, device, size["reps"])
-                    rows.append(dict(client="pylate", task=task, backend=backend, ms=ms_step, scoring_ms=ms_score,
-                                     scoring_share=ms_score / ms_step,
-                                     loss_diff=abs(loss0 - first_loss[task]) / max(1.0, abs(first_loss[task]))))
+                def scoring(loss_fn=loss_fn):
+                    q, d = (t.detach().requires_grad_(True) for t in scoring_args[:2])
+                    out = loss_fn.score_metric(q, d, *scoring_args[2:])
+                    out.backward(torch.ones_like(out))
+
+                first[backend] = step().item()
+                steps[backend], scorings[backend] = (backend_env(backend), step), (backend_env(backend), scoring)
+        model.load_state_dict(initial)
+        ms_step = interleaved_ms(steps, device, size["reps"])
+        ms_score = interleaved_ms(scorings, device, size["reps"])
+        loss_ref = first.get("torch", next(iter(first.values()), 0.0))
+        for backend in steps:
+            rows.append(dict(client="pylate", task=task, backend=backend, ms=ms_step[backend],
+                             scoring_ms=ms_score[backend], scoring_share=ms_score[backend] / ms_step[backend],
+                             loss_diff=abs(first[backend] - loss_ref) / max(1.0, abs(loss_ref))))
     rows += pylate_rerank(ip, rank, pc, size, device, dtype, backends)
     return rows
 
@@ -264,22 +276,31 @@ def pylate_rerank(ip, rank, pc, size, device, dtype, backends) -> list[dict]:
         reference = rankings(*exact)
     qs, ds = on(device, dtype)
     padded = [torch.nn.utils.rnn.pad_sequence(x, batch_first=True) for x in ds]
-    rows = []
-    for backend in backends:
+    @contextlib.contextmanager
+    def using(backend):
         ours = backend == "maxsim"
-        with env("PYLATE_SCORES_BACKEND", None if ours else backend), \
-                failures_recorded(rows, "pylate", f"rerank-{nc}", backend):
+        with env("PYLATE_SCORES_BACKEND", None if ours else backend):
             if ours:
                 ip.use_in_pylate()
             try:
-                same = rankings(*exact) == reference
-                ms_rerank = timed_ms(lambda: rankings(qs, ds), device, size["reps"])
-                ms_score = timed_ms(lambda: [pc.colbert_scores(q[None], D) for q, D in zip(qs, padded)], device,
-                                    size["reps"])
+                yield
             finally:
-                ip.unuse_in_pylate()
-            rows.append(dict(client="pylate", task=f"rerank-{nc}", backend=backend, ms=ms_rerank,
-                             scoring_ms=ms_score, scoring_share=ms_score / ms_rerank, same_ranking=same))
+                if ours:
+                    ip.unuse_in_pylate()
+
+    rows, same, reranks, scorings = [], {}, {}, {}
+    for backend in backends:
+        with failures_recorded(rows, "pylate", f"rerank-{nc}", backend), using(backend):
+            same[backend] = rankings(*exact) == reference
+            reranks[backend] = (lambda b=backend: using(b), lambda: rankings(qs, ds))
+            scorings[backend] = (lambda b=backend: using(b),
+                                 lambda: [pc.colbert_scores(q[None], D) for q, D in zip(qs, padded)])
+    ms_rerank = interleaved_ms(reranks, device, size["reps"])
+    ms_score = interleaved_ms(scorings, device, size["reps"])
+    for backend in reranks:
+        rows.append(dict(client="pylate", task=f"rerank-{nc}", backend=backend, ms=ms_rerank[backend],
+                         scoring_ms=ms_score[backend], scoring_share=ms_score[backend] / ms_rerank[backend],
+                         same_ranking=same[backend]))
     return rows
 
 
@@ -333,44 +354,55 @@ def bench_colpali(ms, size, device, dtype, folder: Path) -> list[dict]:
 
     with env("COLPALI_SCORES_BACKEND", "torch"):
         reference = retrieve(torch.float32).argsort(dim=1, descending=True, stable=True)
-    rows, first_loss = [], None
-    for backend in (b for b in ("torch", "lik", "maxsim") if available(b, device)):
+    @contextlib.contextmanager
+    def using(backend):
         ours = backend == "maxsim"
         with env("COLPALI_SCORES_BACKEND", None if ours else backend):
             if ours:
                 ic.use_in_colpali()
             try:
-                with failures_recorded(rows, "colpali", "train-pairwise-negative", backend):
-                    encoder.load_state_dict(initial)
-                    opt = torch.optim.AdamW(encoder.parameters(), lr=1e-5)
-
-                    def step():
-                        opt.zero_grad(set_to_none=True)
-                        loss = loss_fn(encoder(q_in), encoder(p_in), encoder(n_in).view(B, K, size["page"], -1))
-                        loss.backward()
-                        opt.step()
-                        return loss
-
-                    loss0 = step().item()
-                    first_loss = loss0 if first_loss is None else first_loss
-                    ms_step = timed_ms(step, device, size["reps"])
-
-                    def scoring():  # the calls the loss routes through the backend
-                        q, p, n = (t.detach().requires_grad_(True) for t in (Q, P, Nn))
-                        (cm.maxsim_kd(q, n).sum() + cm.maxsim_inbatch(q, p).sum()).backward()
-
-                    ms_score = timed_ms(scoring, device, size["reps"])
-                    rows.append(dict(client="colpali", task="train-pairwise-negative", backend=backend, ms=ms_step,
-                                     scoring_ms=ms_score, scoring_share=ms_score / ms_step,
-                                     loss_diff=abs(loss0 - first_loss) / max(1.0, abs(first_loss))))
-                task = f"retrieve-{size['pages']}-pages"
-                with failures_recorded(rows, "colpali", task, backend):
-                    same = torch.equal(retrieve(torch.float32).argsort(dim=1, descending=True, stable=True),
-                                       reference)
-                    ms_ret = timed_ms(lambda: retrieve(dtype), device, max(2, size["reps"] // 4))
-                    rows.append(dict(client="colpali", task=task, backend=backend, ms=ms_ret, same_ranking=same))
+                yield
             finally:
-                ic.unuse_in_colpali()
+                if ours:
+                    ic.unuse_in_colpali()
+
+    def scoring():  # the calls the loss routes through the backend
+        q, p, n = (t.detach().requires_grad_(True) for t in (Q, P, Nn))
+        (cm.maxsim_kd(q, n).sum() + cm.maxsim_inbatch(q, p).sum()).backward()
+
+    rows, first, same = [], {}, {}
+    steps, scorings, retrievals = {}, {}, {}
+    task = f"retrieve-{size['pages']}-pages"
+    for backend in (b for b in ("torch", "lik", "maxsim") if available(b, device)):
+        with failures_recorded(rows, "colpali", "train-pairwise-negative", backend), using(backend):
+            encoder.load_state_dict(initial)
+            opt = torch.optim.AdamW(encoder.parameters(), lr=1e-5)
+
+            def step(opt=opt):
+                opt.zero_grad(set_to_none=True)
+                loss = loss_fn(encoder(q_in), encoder(p_in), encoder(n_in).view(B, K, size["page"], -1))
+                loss.backward()
+                opt.step()
+                return loss
+
+            first[backend] = step().item()
+            steps[backend] = (lambda b=backend: using(b), step)
+            scorings[backend] = (lambda b=backend: using(b), scoring)
+        with failures_recorded(rows, "colpali", task, backend), using(backend):
+            same[backend] = torch.equal(retrieve(torch.float32).argsort(dim=1, descending=True, stable=True),
+                                        reference)
+            retrievals[backend] = (lambda b=backend: using(b), lambda: retrieve(dtype))
+    encoder.load_state_dict(initial)
+    ms_step = interleaved_ms(steps, device, size["reps"])
+    ms_score = interleaved_ms(scorings, device, size["reps"])
+    loss_ref = first.get("torch", next(iter(first.values()), 0.0))
+    for backend in steps:
+        rows.append(dict(client="colpali", task="train-pairwise-negative", backend=backend, ms=ms_step[backend],
+                         scoring_ms=ms_score[backend], scoring_share=ms_score[backend] / ms_step[backend],
+                         loss_diff=abs(first[backend] - loss_ref) / max(1.0, abs(loss_ref))))
+    ms_ret = interleaved_ms(retrievals, device, max(3, size["reps"] // 4))
+    for backend in retrievals:
+        rows.append(dict(client="colpali", task=task, backend=backend, ms=ms_ret[backend], same_ranking=same[backend]))
     return rows
 
 

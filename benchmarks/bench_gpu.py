@@ -370,9 +370,13 @@ def main():
     ap.add_argument("--cold-start", action="store_true")
     ap.add_argument("--train", action="store_true", help="also the training (fwd+bwd) rows")
     ap.add_argument("--out", default="")
+    ap.add_argument("--force", default="", help="run maxsim's forward in this kernel family where it can "
+                    "(maxsim.forcing: stream, stream_wg, mma, wgmma, simt)")
     args = ap.parse_args()
     only = set(filter(None, args.only.split(",")))
     ms = load_maxsim()
+    if args.force:
+        ms.forcing(args.force).__enter__()  # for the whole run
     pe = peers()
     gpu = torch.cuda.get_device_name()
     bw, flops = ceilings()

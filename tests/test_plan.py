@@ -213,3 +213,46 @@ def test_explain_on_device(ms):
     assert p["arch"] == major * 10 + minor
     assert p["sm_count"] == torch.cuda.get_device_properties(0).multi_processor_count
     assert p["family"] in ("stream", "stream_wg")
+
+
+def test_forcing_scopes_the_override(ms):
+    """maxsim.forcing sets the thread's override for every plan made inside
+    it (explain's force= still wins), nests and restores on exit."""
+    Q = torch.randn(1, 32, 128, dtype=torch.bfloat16)
+    D = torch.randn(1000, 300, 128, dtype=torch.bfloat16, device="meta")
+    assert ms.explain(Q, D)["family"] == "stream_wg"
+    with ms.forcing("simt"):
+        assert ms.explain(Q, D)["family"] == "simt"
+        assert ms.explain(Q, D, force="mma")["family"] == "mma"
+        with ms.forcing("stream"):
+            assert ms.explain(Q, D)["family"] == "stream"
+        assert ms.explain(Q, D)["family"] == "simt"
+    assert ms.explain(Q, D)["family"] == "stream_wg"
+    with pytest.raises(ValueError, match="family must be one of"):
+        with ms.forcing("fast"):
+            pass
+    with pytest.raises(KeyError):
+        with ms.forcing("mma"):
+            raise KeyError("inside")
+    assert ms.explain(Q, D)["family"] == "stream_wg"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", ["stream", "stream_wg", "mma", "wgmma", "simt"])
+def test_forcing_runs_the_family(ms, family):
+    """A forced family computes the same scores (bf16 inputs, fp32 sums) on
+    the device, in eager mode and in a captured CUDA graph."""
+    g = torch.Generator(device="cuda").manual_seed(7)
+    Q = torch.randn(3, 33, 128, dtype=torch.bfloat16, device="cuda", generator=g)
+    D = torch.randn(40, 77, 128, dtype=torch.bfloat16, device="cuda", generator=g)
+    ref = torch.einsum("qid,njd->qnij", Q.double(), D.double()).amax(-1).sum(-1)
+    with ms.forcing(family):
+        if ms.explain(Q, D)["family"] != family:
+            pytest.skip(f"{family} cannot take this call on this device")
+        out = ms.maxsim(Q, D)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = ms.maxsim(Q, D)
+    graph.replay()
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(captured, out, rtol=0, atol=0)

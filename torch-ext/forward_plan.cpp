@@ -89,6 +89,13 @@ plan::Family family_of(const std::string& name) {
 
 }  // namespace
 
+std::string set_forced_family(std::string family) {
+  const plan::Family f = family_of(family);
+  const plan::Family previous = plan::forced_family();
+  plan::forced_family() = f;
+  return previous == plan::Family::kNone ? std::string() : std::string(plan::family_name(previous));
+}
+
 std::string plan_forward(int64_t layout, int64_t nq, int64_t nd, int64_t tq, int64_t td, int64_t pairs, int64_t lq,
                          int64_t dim, at::ScalarType dtype, bool quant, bool uniform_doc_scales, bool argmax,
                          bool tf32, bool normalize, int64_t ptr_align, int64_t arch, int64_t sm_count,
@@ -96,23 +103,10 @@ std::string plan_forward(int64_t layout, int64_t nq, int64_t nd, int64_t tq, int
   TORCH_CHECK(layout >= 0 && layout <= 2, "maxsim: plan_forward: bad layout");
   TORCH_CHECK(nq >= 0 && nd >= 0 && tq >= 0 && td >= 0 && pairs >= 0 && lq >= 0 && dim >= 1,
               "maxsim: plan_forward: sizes must be >= 0 (dim >= 1)");
-  plan::Request r;
-  r.layout = (int)layout;
-  r.Nq = nq;
-  r.Nd = nd;
-  r.Tq = tq;
-  r.Td = td;
-  r.P = pairs;
-  r.lq = lq;
-  r.dim = dim;
-  r.dtype = plan_dtype(dtype);
-  r.quant = quant;
-  r.uniform_doc_scales = uniform_doc_scales;
-  r.argmax = argmax;
-  r.tf32 = tf32;
-  r.normalize = normalize;
+  plan::Request r = forward_request(layout, nq, nd, tq, td, pairs, lq, dim, dtype, quant, uniform_doc_scales, argmax,
+                                    tf32, normalize);
   r.ptr_align = (int)ptr_align;
-  r.force = family_of(force);
+  if (!force.empty()) r.force = family_of(force);
   plan::DeviceFacts dev;
   if (arch < 0) {
 #if defined(CUDA_KERNEL)

@@ -166,6 +166,13 @@ struct Request {
   Family force = Family::kNone;
 };
 
+// The calling thread's override, which every request built by
+// forward_request starts from (set by maxsim.plan.forcing).
+inline Family& forced_family() {
+  thread_local Family f = Family::kNone;
+  return f;
+}
+
 // ---- the plan -----------------------------------------------------------------
 
 struct StreamPlan {  // kStream

@@ -51,6 +51,8 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
       "bool quant, bool uniform_doc_scales, bool argmax, bool tf32, bool normalize, int ptr_align, int arch, "
       "int sm_count, str force) -> str",
       &maxsim::plan_forward);
+  // The calling thread's planner override (maxsim.plan.forcing).
+  ops.def("set_forced_family(str family) -> str", &maxsim::set_forced_family);
   // The CPU kernels are [torch] sources: every variant has them.
   ops.impl("forward", torch::kCPU, &maxsim::forward_cpu);
   ops.impl("forward_train", torch::kCPU, &maxsim::forward_cpu);

@@ -39,6 +39,7 @@
 #include "forward_plan.h"
 #include <torch/torch.h>
 
+#include <string>
 #include <tuple>
 
 namespace maxsim {
@@ -61,6 +62,35 @@ inline at::ScalarType scalar_type(plan::Dtype t) {
          : t == plan::Dtype::kE4M3 ? at::kFloat8_e4m3fn
                                    : at::kFloat;
 }
+
+// The planner's request for a forward call's shape facts (token rows Tq / Td
+// of Nq queries and Nd documents, P pairs); the override of the calling
+// thread included. The caller adds pointer facts (ptr_align, ...).
+inline plan::Request forward_request(int64_t layout, int64_t nq, int64_t nd, int64_t tq, int64_t td, int64_t pairs,
+                                     int64_t lq, int64_t dim, at::ScalarType dtype, bool quant,
+                                     bool uniform_doc_scales, bool argmax, bool tf32, bool normalize) {
+  plan::Request r;
+  r.layout = (int)layout;
+  r.Nq = nq;
+  r.Nd = nd;
+  r.Tq = tq;
+  r.Td = td;
+  r.P = pairs;
+  r.lq = lq;
+  r.dim = dim;
+  r.dtype = plan_dtype(dtype);
+  r.quant = quant;
+  r.uniform_doc_scales = uniform_doc_scales;
+  r.argmax = argmax;
+  r.tf32 = tf32;
+  r.normalize = normalize;
+  r.force = plan::forced_family();
+  return r;
+}
+
+// Sets the calling thread's planner override ("" for none; a family name as
+// plan::family_name spells it) and returns the previous one.
+std::string set_forced_family(std::string family);
 
 // Returns (scores [P] fp32, argmax).
 using ForwardFn = std::tuple<at::Tensor, at::Tensor>(

@@ -31,6 +31,7 @@
 #include <algorithm>
 
 #include "backward_kernels.cuh"
+#include "../common/dtype_dispatch.cuh"
 #include "../common/normalize_rows.cuh"
 #include "../common/smem_opt_in.h"
 #include "torch_binding.h"
@@ -363,12 +364,9 @@ std::tuple<at::Tensor, at::Tensor> backward_cuda(
 
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const bool a16 = argmax.scalar_type() == at::kShort;
-  if (dtype == at::kHalf)
-    launch_t<__half>(normalize, a16, v16, p, do_dq, do_dd, NG, stream);
-  else if (dtype == at::kBFloat16)
-    launch_t<__nv_bfloat16>(normalize, a16, v16, p, do_dq, do_dd, NG, stream);
-  else
-    launch_t<float>(normalize, a16, v16, p, do_dq, do_dd, NG, stream);
+  dispatch_float_type(dtype, [&](auto tag) {
+    launch_t<decltype(tag)>(normalize, a16, v16, p, do_dq, do_dd, NG, stream);
+  });
   if (normalize) {
     if (do_dq) cuda_norm::normalize_grad(gq, q, dq);
     if (do_dd) cuda_norm::normalize_grad(gd, d, dd);

@@ -304,6 +304,29 @@ __device__ __forceinline__ void store_argmax(const FwdParams& p, int64_t idx, in
     static_cast<int16_t*>(p.argmax)[idx] = (int16_t)v;
 }
 
+// The result stores of every forward kernel (one epilogue contract):
+//   store_score      a pair's final score; NaN for an invalid pair.
+//   store_pair_sum   a slot's row sum: the score (row_mode 0) or the tile
+//                    partial ws_best[t * P + pair] (row_mode 1).
+//   store_row_partial  a row's (max, argmax) of doc split s (row_mode 2).
+__device__ __forceinline__ void store_score(const FwdParams& p, int64_t pr, bool ok, float sum) {
+  p.scores[pr] = ok ? sum : __int_as_float(0x7fc00000);
+}
+
+__device__ __forceinline__ void store_pair_sum(const FwdParams& p, int64_t pr, int t, bool ok, float sum) {
+  if (p.row_mode == 0)
+    store_score(p, pr, ok, sum);
+  else
+    p.ws_best[(int64_t)t * p.P + pr] = sum;
+}
+
+template <bool ARG>
+__device__ __forceinline__ void store_row_partial(const FwdParams& p, int s, int64_t pr, int i, float best, int idx) {
+  const int64_t o = ((int64_t)s * p.P + pr) * p.lq + i;
+  p.ws_best[o] = best;
+  if (ARG) p.ws_idx[o] = idx;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -344,12 +367,7 @@ __device__ __forceinline__ void finish_tile(const FwdParams& p, const Work& w, c
         if (ARG) store_argmax(p, pr * p.lq + i, use ? ri[r] : -1);
       }
       sum = warp_sum(sum);
-      if (lane == 0) {
-        if (p.row_mode == 0)
-          p.scores[pr] = ok ? sum : __int_as_float(0x7fc00000);
-        else
-          p.ws_best[(int64_t)t * p.P + pr] = sum;
-      }
+      if (lane == 0) store_pair_sum(p, pr, t, ok, sum);
     }
   } else {
     for (int r = threadIdx.x; r < BM; r += NTH) {
@@ -358,9 +376,7 @@ __device__ __forceinline__ void finish_tile(const FwdParams& p, const Work& w, c
       tile_row(p, BM, w.mt, r, k, i);
       int64_t n = slot_query(p, w, k);
       int64_t pr = slot_pair(p, w, n);
-      int64_t o = ((int64_t)w.s * p.P + pr) * p.lq + i;
-      p.ws_best[o] = rb[r];
-      if (ARG) p.ws_idx[o] = ri[r];
+      store_row_partial<ARG>(p, w.s, pr, i, rb[r], ri[r]);
     }
   }
 }

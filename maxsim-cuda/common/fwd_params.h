@@ -43,6 +43,22 @@ inline void set_stream_plan(FwdParams& p, const plan::Plan& pl) {
   p.stream_multiwave = pl.multiwave;
 }
 
+// The tile kernels' fields of a plan (kMma, kWgmma, kSimt).
+inline void set_tile_plan(FwdParams& p, const plan::Plan& pl) {
+  p.qpt = pl.qpt;
+  p.tpq = pl.tpq;
+  p.mt_total = pl.mt_total;
+  p.kch = pl.kch;
+  p.ksteps_last = pl.ksteps_last;
+  p.row_bytes_pad = pl.row_bytes_pad;
+  p.vecb = pl.vecb;
+  p.S = pl.splits;
+  p.row_mode = pl.row_mode;
+  p.dpc = pl.dpc;
+  p.gsz = pl.gsz;
+  p.cpg = pl.cpg;
+}
+
 // Token rows, (start, length) per query and document, masks (qm / dm may be
 // undefined), and the sizes derived from them.
 inline void set_segments(FwdParams& p, const at::Tensor& q, const at::Tensor& q_start, const at::Tensor& q_len,

@@ -20,6 +20,7 @@
 
 #include "common.cuh"
 #include "convert.cuh"
+#include "dtype_dispatch.cuh"
 #include "normalize_rows.h"
 
 namespace maxsim {
@@ -123,11 +124,7 @@ inline void launch_inv_norms(const at::Tensor& x, at::Tensor& inv, cudaStream_t 
 inline at::Tensor inv_norms(const at::Tensor& x) {
   at::Tensor inv = at::empty({x.size(0)}, x.options().dtype(at::kFloat));
   cudaStream_t st = at::cuda::getCurrentCUDAStream();
-  switch (x.scalar_type()) {
-    case at::kHalf: launch_inv_norms<__half>(x, inv, st); break;
-    case at::kBFloat16: launch_inv_norms<__nv_bfloat16>(x, inv, st); break;
-    default: launch_inv_norms<float>(x, inv, st); break;
-  }
+  dispatch_float_type(x.scalar_type(), [&](auto tag) { launch_inv_norms<decltype(tag)>(x, inv, st); });
   return inv;
 }
 
@@ -138,17 +135,11 @@ inline void normalize_grad(const at::Tensor& g, const at::Tensor& x, at::Tensor&
   cudaStream_t st = at::cuda::getCurrentCUDAStream();
   const unsigned blocks = (unsigned)((rows + kWarpsPerBlock - 1) / kWarpsPerBlock);
   const float* gp = g.data_ptr<float>();
-  const auto go = [&](auto* xp, auto* op) {
-    using E = std::remove_const_t<std::remove_pointer_t<decltype(xp)>>;
-    launch_pdl(normalize_grad_kernel<E>, dim3(blocks), dim3(kWarpsPerBlock * 32), 0, st, gp, xp, rows, dim, op);
-  };
-  switch (x.scalar_type()) {
-    case at::kHalf: go(static_cast<const __half*>(x.data_ptr()), static_cast<__half*>(out.data_ptr())); break;
-    case at::kBFloat16:
-      go(static_cast<const __nv_bfloat16*>(x.data_ptr()), static_cast<__nv_bfloat16*>(out.data_ptr()));
-      break;
-    default: go(static_cast<const float*>(x.data_ptr()), static_cast<float*>(out.data_ptr())); break;
-  }
+  dispatch_float_type(x.scalar_type(), [&](auto tag) {
+    using E = decltype(tag);
+    launch_pdl(normalize_grad_kernel<E>, dim3(blocks), dim3(kWarpsPerBlock * 32), 0, st, gp,
+               static_cast<const E*>(x.data_ptr()), rows, dim, static_cast<E*>(out.data_ptr()));
+  });
 }
 
 }  // namespace cuda_norm

@@ -30,6 +30,7 @@
 #include "forward_stream.cuh"
 #include "../forward_sm90a/forward_stream_wg.cuh"
 #include "../forward_sm90a/forward_wgmma.cuh"
+#include "../common/dtype_dispatch.cuh"
 #include "../common/fwd_params.h"
 #include "../common/normalize_rows.cuh"
 #include "torch_binding.h"
@@ -56,7 +57,7 @@ __global__ void __launch_bounds__(256) finalize_partial_kernel(FwdParams p) {
   bool ok = pair_ok(p, pr, qs, ql);
   float sum = 0.f;
   for (int t = 0; t < p.tpq; ++t) sum += p.ws_best[(int64_t)t * p.P + pr];
-  p.scores[pr] = ok ? sum : __int_as_float(0x7fc00000);
+  store_score(p, pr, ok, sum);
 }
 
 // row_mode 2: one warp per pair merges the S split partials of each row (in
@@ -92,28 +93,13 @@ __global__ void __launch_bounds__(256) finalize_rows_kernel(FwdParams p) {
     if (ARG) store_argmax(p, pr * p.lq + i, out);
   }
   sum = warp_sum(sum);
-  if (lane == 0) p.scores[pr] = ok ? sum : __int_as_float(0x7fc00000);
+  if (lane == 0) store_score(p, pr, ok, sum);
 }
-
-// One dtype ladder for every family: f(T{}) with the token type of t.
-template <typename F>
-auto with_token_type(at::ScalarType t, F&& f) {
-  switch (t) {
-    case at::kHalf: return f(__half{});
-    case at::kBFloat16: return f(__nv_bfloat16{});
-    case at::kChar: return f(int8_t{});
-    case at::kFloat8_e4m3fn: return f(__nv_fp8_e4m3{});
-    default: return f(float{});
-  }
-}
-
-template <typename T>
-constexpr bool kIs16Bit = std::is_same<T, __half>::value || std::is_same<T, __nv_bfloat16>::value;
 
 // Resident CTAs per SM of a kernel the planner considers (the runtime's
 // occupancy; each kernel asked once, or once per shared-memory size).
 int blocks_per_sm(const plan::KernelId& k) {
-  return with_token_type(scalar_type(k.dtype), [&](auto tag) -> int {
+  return dispatch_token_type(scalar_type(k.dtype), [&](auto tag) -> int {
     using T = decltype(tag);
     if (k.family == plan::Family::kMma) {
       if constexpr (!kIsQuant<T>) {
@@ -142,7 +128,7 @@ int blocks_per_sm(const plan::KernelId& k) {
 
 void run_tiles(const plan::Plan& pl, const plan::Request& rq, const plan::DeviceFacts& dev, at::ScalarType t,
                const FwdParams& p, int64_t item0, int64_t n, cudaStream_t st) {
-  with_token_type(t, [&](auto tag) {
+  dispatch_token_type(t, [&](auto tag) {
     using T = decltype(tag);
     if (pl.family == plan::Family::kWgmma) {
       if constexpr (std::is_same<T, float>::value) {
@@ -294,21 +280,8 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
     return {scores, argmax};
   }
 
-  plan::Request rq;
-  rq.layout = (int)layout;
-  rq.Nq = Nq;
-  rq.Nd = Nd;
-  rq.Tq = q.size(0);
-  rq.Td = d.size(0);
-  rq.P = P;
-  rq.lq = lq;
-  rq.dim = dim;
-  rq.dtype = plan_dtype(dtype);
-  rq.quant = quant;
-  rq.uniform_doc_scales = uniform_doc_scales;
-  rq.argmax = arg;
-  rq.tf32 = tf32;
-  rq.normalize = normalize;
+  plan::Request rq = forward_request(layout, Nq, Nd, q.size(0), d.size(0), P, lq, dim, dtype, quant,
+                                     uniform_doc_scales, arg, tf32, normalize);
   rq.ptr_align = ptr_align(p.q, p.d);
   rq.d_scale_aligned = quant && reinterpret_cast<uintptr_t>(p.d_scale) % 16 == 0;
   const plan::DeviceFacts dev = cuda_device_facts();
@@ -317,7 +290,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
 
   if (pl.family == plan::Family::kStream || pl.family == plan::Family::kStreamWg) {
     set_stream_plan(p, pl);
-    with_token_type(dtype, [&](auto tag) {
+    dispatch_token_type(dtype, [&](auto tag) {
       using T = decltype(tag);
       if constexpr (std::is_same<T, float>::value) {
         MAXSIM_CHECK(false, "maxsim: no streaming kernel for float32 tokens");
@@ -330,18 +303,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
     return {scores, argmax};
   }
 
-  p.qpt = pl.qpt;
-  p.tpq = pl.tpq;
-  p.mt_total = pl.mt_total;
-  p.kch = pl.kch;
-  p.ksteps_last = pl.ksteps_last;
-  p.row_bytes_pad = pl.row_bytes_pad;
-  p.vecb = pl.vecb;
-  p.S = pl.splits;
-  p.row_mode = pl.row_mode;
-  p.dpc = pl.dpc;
-  p.gsz = pl.gsz;
-  p.cpg = pl.cpg;
+  set_tile_plan(p, pl);
 
   at::Tensor ws_best, ws_idx;
   if (p.row_mode == 1) {

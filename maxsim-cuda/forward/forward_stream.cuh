@@ -515,7 +515,7 @@ __global__ void __launch_bounds__(NW * 32) stream_fwd_kernel(const FwdParams p) 
     if (use && p.q_mask != nullptr) use = p.q_mask[(int64_t)qs + lane];
     if (SC && use) v *= doc_sc ? p.q_scale[(int64_t)qs + lane] * p.d_scale[ds] : p.q_scale[(int64_t)qs + lane];
     const float sum = warp_sum(use ? v : 0.f);
-    if (lane == 0 && live) p.scores[pr] = ok ? sum : __int_as_float(0x7fc00000);
+    if (lane == 0 && live) store_score(p, pr, ok, sum);
   }
   if constexpr (RK) {  // kKeysL with the fused top-k (the whole CTA)
     const int64_t lo = tail ? pr : (int64_t)blockIdx.x * per;

@@ -225,7 +225,7 @@ __global__ void __launch_bounds__(kStreamWgThreads) stream_wg_kernel(const FwdPa
       part = k == 0 ? (use ? v : 0.f) : part + (use ? v : 0.f);
     }
     const float sum = warp_sum(part);
-    if (lane == 0) p.scores[pr] = ok ? sum : __int_as_float(0x7fc00000);
+    if (lane == 0) store_score(p, pr, ok, sum);
   }
 #endif
 }

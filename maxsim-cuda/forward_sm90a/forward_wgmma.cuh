@@ -374,10 +374,7 @@ __device__ __forceinline__ void wg_finish(const FwdParams& p, const Work& w, con
 #pragma unroll
       for (int g = 0; g < 4; ++g) {
         if (lane != g || st[g] == 0) continue;
-        if (p.row_mode == 0)
-          p.scores[pr[g]] = st[g] == 2 ? sum[g] : __int_as_float(0x7fc00000);
-        else
-          p.ws_best[(int64_t)tt * p.P + pr[g]] = sum[g];
+        store_pair_sum(p, pr[g], tt, st[g] == 2, sum[g]);
       }
     }
   } else if (p.row_mode <= 1) {
@@ -400,12 +397,7 @@ __device__ __forceinline__ void wg_finish(const FwdParams& p, const Work& w, con
         if (ARG) store_argmax(p, pr * p.lq + i, use ? ri[r] : -1);
       }
       sum = warp_sum(sum);
-      if (lane == 0) {
-        if (p.row_mode == 0)
-          p.scores[pr] = ok ? sum : __int_as_float(0x7fc00000);
-        else
-          p.ws_best[(int64_t)tt * p.P + pr] = sum;
-      }
+      if (lane == 0) store_pair_sum(p, pr, tt, ok, sum);
     }
   } else {
     for (int r = lane; r < BM; r += 32) {
@@ -414,9 +406,7 @@ __device__ __forceinline__ void wg_finish(const FwdParams& p, const Work& w, con
       tile_row(p, BM, w.mt, r, k, i);
       int64_t n = slot_query(p, w, k);
       int64_t pr = slot_pair(p, w, n);
-      int64_t o = ((int64_t)w.s * p.P + pr) * p.lq + i;
-      p.ws_best[o] = rowv(r);
-      if (ARG) p.ws_idx[o] = ri[r];
+      store_row_partial<ARG>(p, w.s, pr, i, rowv(r), ri[r]);
     }
   }
 }

@@ -7,6 +7,7 @@
 #include <cuda_fp8.h>
 
 #include "../common/convert.cuh"
+#include "../common/dtype_dispatch.cuh"
 #include "../common/pdl.cuh"
 #include "quantize_rows.h"
 #include "torch_binding.h"
@@ -77,12 +78,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x_in, int64_t
   at::Tensor scales = quant_rows::scales_out(x, given);
   const bool own = !given.has_value();
   if (T == 0) return {values, scales};
-  if (x.scalar_type() == at::kHalf)
-    launch<__half>(x, kind, values, scales, own);
-  else if (x.scalar_type() == at::kBFloat16)
-    launch<__nv_bfloat16>(x, kind, values, scales, own);
-  else
-    launch<float>(x, kind, values, scales, own);
+  dispatch_float_type(x.scalar_type(), [&](auto tag) { launch<decltype(tag)>(x, kind, values, scales, own); });
   return {values, scales};
 }
 

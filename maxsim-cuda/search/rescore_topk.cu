@@ -11,6 +11,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "../forward/forward_stream.cuh"
+#include "../common/dtype_dispatch.cuh"
 #include "../common/fwd_params.h"
 #include "rescore_compose.h"
 #include "torch_binding.h"
@@ -51,16 +52,8 @@ std::tuple<at::Tensor, at::Tensor> rescore_topk_cuda(const at::Tensor& q, const 
   };
   if (!(b16 && idx && shape && k > 0)) return composed();
   const at::Tensor qc = q.contiguous(), dc = d.contiguous(), kk = keys.contiguous();
-  plan::Request rq;
-  rq.layout = plan::kKeys;
-  rq.Nq = Nq;
-  rq.Nd = Nd;
-  rq.Tq = qc.size(0);
-  rq.Td = dc.size(0);
-  rq.P = Nq * kc;
-  rq.lq = lq;
-  rq.dim = qc.size(1);
-  rq.dtype = plan_dtype(t);
+  plan::Request rq = forward_request(plan::kKeys, Nq, Nd, qc.size(0), dc.size(0), Nq * kc, lq, qc.size(1), t, false,
+                                     false, false, false, false);
   rq.rank = kc <= kRankMax;
   rq.ptr_align = ptr_align(qc.data_ptr(), dc.data_ptr());
   const plan::Plan pl = plan::plan_forward(rq, cuda_device_facts());
@@ -81,10 +74,10 @@ std::tuple<at::Tensor, at::Tensor> rescore_topk_cuda(const at::Tensor& q, const 
   p.scores = scores.data_ptr<float>();
   auto stream = at::cuda::getCurrentCUDAStream();
   const auto run = [&] {
-    if (t == at::kHalf)
-      run_stream<__half>(pl.stream, p, stream);
-    else
-      run_stream<__nv_bfloat16>(pl.stream, p, stream);
+    dispatch_float_type(t, [&](auto tag) {
+      using T = decltype(tag);
+      if constexpr (kIs16Bit<T>) run_stream<T>(pl.stream, p, stream);
+    });
   };
   if (!rq.rank) {  // scores from the keys, then a select (faster than the fused rank for long rows)
     run();

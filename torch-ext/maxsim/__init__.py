@@ -19,7 +19,7 @@ from .reference import (
 )
 from .corpus import Corpus
 from .head import maxsim_from_hidden
-from .plan import explain
+from .plan import explain, forcing
 from .quantization import quantize_tokens
 from .retrieval import search
 from .scoring import (
@@ -43,6 +43,7 @@ __all__ = [
     "checks",
     "distributed",
     "explain",
+    "forcing",
     "head",
     "integrations",
     "keys",

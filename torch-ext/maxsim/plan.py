@@ -8,7 +8,8 @@ backend, so the plan can be read (and tested) without a GPU.
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from contextlib import contextmanager
+from typing import Iterator, Optional, Union
 
 import torch
 from torch import Tensor
@@ -54,7 +55,8 @@ def explain(Q: Tensor, D: Tensor, q_mask: Optional[Tensor] = None, d_mask: Optio
     is the device's own (its occupancy included). ``arch`` (``"9.0a"``,
     ``"8.0"``, or 90 / 80 / 86 / 89) and ``sm_count`` plan for another device,
     from a model of its shared memory and occupancy (default for CPU tensors:
-    sm_90a with 132 SMs); ``force`` names a family to take where it can.
+    sm_90a with 132 SMs); ``force`` names a family to take where it can
+    (default: the one ``forcing`` set, if any).
     Masks do not change the plan; meta tensors plan shapes without memory.
     """
     if D.dim() not in (3, 4) or Q.dim() != 3:
@@ -76,3 +78,23 @@ def explain(Q: Tensor, D: Tensor, q_mask: Optional[Tensor] = None, d_mask: Optio
         key, _, value = word.partition("=")
         plan[key] = value if key == "family" else int(value)
     return plan
+
+
+FAMILIES = ("stream", "stream_wg", "mma", "wgmma", "simt")
+
+
+@contextmanager
+def forcing(family: str) -> Iterator[None]:
+    """Run the CUDA forward calls of this thread in ``family`` wherever it can
+    take them (the planner's override, for benchmarks and tests): one of
+    ``FAMILIES``. Decisions are made when a call is issued, so a CUDA graph
+    captured inside keeps the forced path. Nests; restores the previous
+    override on exit.
+    """
+    if family not in FAMILIES:
+        raise ValueError(f"forcing: family must be one of {FAMILIES}, not {family!r}")
+    previous = ops.set_forced_family(family)
+    try:
+        yield
+    finally:
+        ops.set_forced_family(previous)
