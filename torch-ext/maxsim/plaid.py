@@ -235,11 +235,14 @@ def _reference_backward(grad, q, codes, residuals, centroids, bucket_weights, d_
 
 
 def _register_fallbacks() -> None:
-    from ._registry import FALLBACKS, _warn_fallback
+    import warnings
+
+    from ._registry import FALLBACKS
 
     def wrap(name, fn):
         def impl(*args):
-            _warn_fallback(name, args[0].device.type)
+            warnings.warn(f"maxsim: no compiled {name} kernel for {args[0].device.type}; using the PyTorch "
+                          "reference", stacklevel=3)
             return fn(*args)
         return impl
 
