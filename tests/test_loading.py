@@ -40,7 +40,7 @@ def test_get_kernel_with_local_kernels_env():
     assert "torch.Size([2, 2])" in out.stdout
 
 
-@pytest.mark.parametrize("op", ["forward", "backward", "rescore_topk"])
+@pytest.mark.parametrize("op", ["forward", "backward", "rescore_topk", "plaid_approx", "plaid_forward", "plaid_backward"])
 def test_compiled_kernels_serve_present_devices(ms, device, op):
     key = {"cpu": "CPU", "cuda": "CUDA", "mps": "MPS"}[device]
     if (op, key) == ("backward", "CUDA") and (op, key) in ms.FALLBACKS:
@@ -56,7 +56,8 @@ def test_cpu_tensors_get_compiled_kernels_on_every_variant(ms):
     and gradients."""
     import warnings
 
-    for op in ("forward", "forward_train", "backward", "rescore_topk", "segments", "quantize"):
+    for op in ("forward", "forward_train", "backward", "rescore_topk", "segments", "quantize", "plaid_approx",
+               "plaid_forward", "plaid_backward"):
         assert (op, "CPU") not in ms.FALLBACKS
     g = torch.Generator().manual_seed(0)
     Q = torch.randn(3, 5, 16, generator=g, requires_grad=True)
