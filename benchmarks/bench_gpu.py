@@ -60,6 +60,7 @@ def maxsim_variants(call):
     return {"maxsim": call("default"), "maxsim-exact": call("exact"), "maxsim-tf32": call("tf32")}
 
 # Training: MaxSim op alone, forward + backward via scores.backward(g).
+# name: (Nq, Nd or K, Lq, Ld); shared documents D [Nd, Ld, d] -> [Nq, Nd].
 TRAIN = {
     "Contrastive": (32, 32, 32, 80),
     "LongDocs": (32, 32, 32, 512),
@@ -67,6 +68,14 @@ TRAIN = {
     "train-128": (128, 128, 32, 300),
     "colpali-train-32": (32, 32, 128, 1024),
     "colpali-train-128": (128, 128, 1024, 1024),
+}
+# Per-query candidates D [Nq, K, Ld, d] -> [Nq, K]: distillation (K teacher-
+# scored candidates per query) and hard negatives (each query against its
+# positive and its 7 mined negatives, no in-batch sharing).
+TRAIN_GROUPED = {
+    "kd-32x32-Ld180": (32, 32, 32, 180),
+    "kd-16x64-Ld300": (16, 64, 32, 300),
+    "hardneg-64x(1+7)-Ld180": (64, 8, 32, 180),
 }
 
 
@@ -267,31 +276,43 @@ def run_forward(ms, pe, only, bw, flops):
     return rows
 
 
-def train_impls(ms, pe):
+def train_impls(ms, pe, kind="shared"):
+    """Differentiable calls per implementation. lik's ``maxsim`` and
+    flash-maxsim's ``flash_maxsim_batched_train(shared_docs=False)`` are
+    their per-query candidate (KD) entry points for ``padded``."""
+    grid = "qid,njd->qnij" if kind == "shared" else "qid,qkjd->qkij"
     impls = maxsim_variants(lambda p: lambda Q, D: ms.maxsim(Q, D, precision=p))
-    impls["naive"] = lambda Q, D: torch.einsum("qid,njd->qnij", Q, D).amax(-1).float().sum(-1)
+    impls["naive"] = lambda Q, D: torch.einsum(grid, Q, D).amax(-1).float().sum(-1)
     if "lik" in pe:
         impls["lik"] = lambda Q, D: pe["lik"].maxsim(Q, D)
     if "flash-maxsim" in pe:
-        impls["flash-maxsim"] = lambda Q, D: pe["flash-maxsim"].flash_maxsim_batched_train(Q, D)
+        shared = kind == "shared"
+        impls["flash-maxsim"] = lambda Q, D: pe["flash-maxsim"].flash_maxsim_batched_train(Q, D, shared_docs=shared)
     return impls
+
+
+def train_rows():
+    """(name, kind, Nq, Nd or K, Lq, Ld) of every training row."""
+    return ([(n, "shared", *v) for n, v in TRAIN.items()]
+            + [(n, "padded", *v) for n, v in TRAIN_GROUPED.items()])
 
 
 def run_train(ms, pe, only):
     rows = []
     print(f"{'train workload':<18} {'impl':<14} {'fwd+bwd ms':>10} {'graph ms':>8} {'retained MiB':>12} {'peak MiB':>9} {'grad err':>9}")
-    for name, (nq, nb, lq, ld) in TRAIN.items():
+    for name, kind, nq, nb, lq, ld in train_rows():
         if only and name not in only:
             continue
-        Q0, D0 = make_inputs("shared", nq, nb, lq, ld)
+        Q0, D0 = make_inputs(kind, nq, nb, lq, ld)
         g = torch.randn(nq, nb, device="cuda")
         ref = None
         if nq * nb * lq * ld <= 2**26:
             Qr, Dr = Q0.double().requires_grad_(), D0.double().requires_grad_()
-            (torch.einsum("qid,njd->qnij", Qr, Dr).amax(-1).sum(-1) * g.double()).sum().backward()
+            grid = "qid,njd->qnij" if kind == "shared" else "qid,qkjd->qkij"
+            (torch.einsum(grid, Qr, Dr).amax(-1).sum(-1) * g.double()).sum().backward()
             ref = (Qr.grad, Dr.grad)
             del Qr, Dr
-        for impl, fn in train_impls(ms, pe).items():
+        for impl, fn in train_impls(ms, pe, kind).items():
             Q = Q0.clone().requires_grad_()
             D = D0.clone().requires_grad_()
             try:

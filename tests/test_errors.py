@@ -214,3 +214,33 @@ def test_wild_query_offsets_stay_bounded(ms, device):
     s, a = ms.score_pairs_packed_with_argmax(q, torch.tensor([0, 1 << 40, 3], device=device), d,
                                              torch.tensor([0, 5], device=device), ids, ids * 0)
     assert torch.isnan(s).all() and a.shape[1] <= 3
+
+
+def test_maxsim_checks_once_per_shape(ms, device):
+    # maxsim() keeps its per-shape decisions: a repeated call skips the
+    # checks, so every input a check reads must be part of the key. Each
+    # bad call below shares all but one property with a cached good one.
+    Q, D = _padded(device)
+    qm = torch.ones(2, 4, dtype=torch.bool, device=device)
+    for args in ((Q, D[0]), (Q, D), (Q, D[0], qm), (Q, D[0], None, torch.ones(3, 5, dtype=torch.bool, device=device))):
+        first = ms.maxsim(*args)
+        assert torch.equal(ms.maxsim(*args), first)
+    plans = ms.scoring._MAXSIM_PLANS
+    n = len(plans)
+    ms.maxsim(Q, D[0])
+    assert len(plans) == n  # a hit
+    raises(TypeError, "share a dtype", ms.maxsim, Q, D[0].half())
+    raises(TypeError, "q_mask", ms.maxsim, Q, D[0], qm.float())
+    raises(ValueError, "q_mask", ms.maxsim, Q, D[0], qm[:, :3])
+    raises(ValueError, "d_mask", ms.maxsim, Q, D[0], None, qm)
+    raises(ValueError, "Nq", ms.maxsim, Q[:1], D)
+    raises(TypeError, "must be a torch.Tensor", ms.maxsim, Q, D[0].tolist())
+    if device != "cpu":
+        raises(ms.InputError, "one device", ms.maxsim, Q, D[0].cpu())
+        raises(ms.InputError, "one device", ms.maxsim, Q, D[0], qm.cpu())
+    # A hit still follows the inputs: gradients on or off, other values.
+    Qg = Q.clone().requires_grad_()
+    s = ms.maxsim(Qg, D[0])
+    s.sum().backward()
+    assert Qg.grad is not None and torch.equal(s.detach(), ms.maxsim(Q, D[0]))
+    assert not torch.equal(ms.maxsim(Q * 2, D[0]), ms.maxsim(Q, D[0]))

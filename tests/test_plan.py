@@ -14,7 +14,7 @@ import torch
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_gpu import DIM, FORWARD, TRAIN  # noqa: E402
+from bench_gpu import DIM, FORWARD, TRAIN, TRAIN_GROUPED  # noqa: E402
 
 CROSS, GROUPED, LIST = 0, 1, 2
 PRECISION = {"default": 0, "tf32": 1, "exact": 2}  # the op's codes (plan::Precision)
@@ -72,6 +72,18 @@ def test_benchmark_train_kernels(ms, name, arch, sms):
     nq, nd, lq, ld = TRAIN[name]
     p = plan(ms, CROSS, nq, nd, lq, ld, arch=arch, sms=sms, argmax=True)
     assert (p["family"], p.get("cfg", -1)) == (("wgmma", -1) if arch == 90 else ("mma", 2)), p
+
+
+@pytest.mark.parametrize("name", TRAIN_GROUPED)
+@pytest.mark.parametrize("arch,sms", [(90, 132), (80, 108)], ids=["sm90a-132", "sm80-108"])
+def test_benchmark_grouped_train_kernels(ms, name, arch, sms):
+    # Per-query candidates with the argmax the backward needs: 32 query rows
+    # per pair take the 32x64 mma.sync tiles (the streaming kernels keep no
+    # argmax), several documents per CTA.
+    nq, k, lq, ld = TRAIN_GROUPED[name]
+    p = plan(ms, GROUPED, nq, nq * k, lq, ld, arch=arch, sms=sms, argmax=True)
+    assert (p["family"], p["cfg"], p["bm"], p["row_mode"]) == ("mma", 0, 32, 0), p
+    assert p["dpc"] >= 1 and p["items"] * p["dpc"] >= nq * k, p
 
 
 def test_bench_details_sm90(ms):

@@ -36,6 +36,14 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
       "Tensor? q_pairs, Tensor? d_ptr, Tensor? d_pairs, bool need_dq, "
       "bool need_dd, bool normalize=False) -> (Tensor dq, Tensor dd)");
   ops.def("segments(Tensor[] offsets, int[] totals, int[] max_lens, Tensor[] ints, int[] lo, int[] hi) -> Tensor[]");
+  ops.def("plaid_approx(Tensor qcs, Tensor codes, Tensor d_start, Tensor d_len) -> Tensor");
+  ops.def(
+      "plaid_forward(Tensor q, Tensor codes, Tensor residuals, Tensor centroids, Tensor bucket_weights, "
+      "Tensor d_start, Tensor d_len, Tensor? pair_q, int nbits, bool normalize, bool argmax) -> (Tensor scores, "
+      "Tensor argmax)");
+  ops.def(
+      "plaid_backward(Tensor grad, Tensor q, Tensor codes, Tensor residuals, Tensor centroids, "
+      "Tensor bucket_weights, Tensor d_start, Tensor d_len, Tensor argmax, int nbits, bool normalize) -> Tensor");
   // The CUDA forward's plan for a call's shape facts (forward_plan.h): no
   // tensors, one implementation for every backend.
   ops.def(
@@ -55,6 +63,9 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.impl("rescore_topk", torch::kCPU, &maxsim::rescore_topk_cpu);
   ops.impl("backward", torch::kCPU, &maxsim::backward_cpu);
   ops.impl("segments", torch::kCPU, &maxsim::segments_cpu);
+  ops.impl("plaid_approx", torch::kCPU, &maxsim::plaid_approx_cpu);
+  ops.impl("plaid_forward", torch::kCPU, &maxsim::plaid_forward_cpu);
+  ops.impl("plaid_backward", torch::kCPU, &maxsim::plaid_backward_cpu);
 #if defined(CUDA_KERNEL)
   ops.impl("forward", torch::kCUDA, &maxsim::forward_cuda);
   ops.impl("forward_train", torch::kCUDA, &maxsim::forward_cuda);
@@ -65,6 +76,9 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.impl("rescore_topk", torch::kCUDA, &maxsim::rescore_topk_cuda);
   ops.impl("backward", torch::kCUDA, &maxsim::backward_cuda);
   ops.impl("segments", torch::kCUDA, &maxsim::segments_cuda);
+  ops.impl("plaid_approx", torch::kCUDA, &maxsim::plaid_approx_cuda);
+  ops.impl("plaid_forward", torch::kCUDA, &maxsim::plaid_forward_cuda);
+  ops.impl("plaid_backward", torch::kCUDA, &maxsim::plaid_backward_cuda);
 #endif
 #if defined(METAL_KERNEL)
   ops.impl("forward", torch::kMPS, &maxsim::forward_mps);

@@ -179,6 +179,36 @@ using BackwardFn = std::tuple<at::Tensor, at::Tensor>(
 using SegmentsFn = std::vector<at::Tensor>(at::TensorList offsets, at::IntArrayRef totals, at::IntArrayRef max_lens,
                                            at::TensorList ints, at::IntArrayRef lo, at::IntArrayRef hi);
 
+// PLAID / ColBERTv2 compressed documents (codec in plaid_codec.h): codes
+// [T] int32, residuals [T, P] uint8, centroids [C, d] fp32, bucket_weights
+// [2^nbits] fp32; document n owns tokens d_start[n] .. d_start[n]+d_len[n]-1
+// (int32 [Nd]; a length <= 0 is an empty document).
+//
+// plaid_approx: qcs [Nq, C, Lq] fp32 (query-token x centroid scores) ->
+// scores [Nq, Nd] fp32, score[i, n] = sum over s of max over the tokens t of
+// n of qcs[i, codes[t], s]; an empty document scores 0.
+using PlaidApproxFn = at::Tensor(const at::Tensor& qcs, const at::Tensor& codes, const at::Tensor& d_start,
+                                 const at::Tensor& d_len);
+// plaid_forward: q [Nq, Lq, d] fp32 -> (scores, argmax): MaxSim of query
+// pair_q[n] (int32 [Nd]; absent: every query, scores [Nq, Nd]) against the
+// decompressed tokens of document n, each token divided by max(|x|, 1e-12)
+// when normalize, fp32 accumulation; scores [Nd] with pair_q. A query token
+// with no document token adds 0. argmax (when asked, else empty): int32
+// [Nq, Nd, Lq] / [Nd, Lq], the winning token within the document, lowest
+// index on ties, -1 for none.
+using PlaidForwardFn = std::tuple<at::Tensor, at::Tensor>(
+    const at::Tensor& q, const at::Tensor& codes, const at::Tensor& residuals, const at::Tensor& centroids,
+    const at::Tensor& bucket_weights, const at::Tensor& d_start, const at::Tensor& d_len,
+    const std::optional<at::Tensor>& pair_q, int64_t nbits, bool normalize, bool argmax);
+// plaid_backward: grad [Nq, Nd] fp32 and plaid_forward's argmax [Nq, Nd, Lq]
+// (every query x every document) -> dq [Nq, Lq, d] fp32, dq[i, s] = sum over n
+// of grad[i, n] * token(argmax[i, n, s]) (normalised when normalize), summed
+// in document order.
+using PlaidBackwardFn = at::Tensor(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& codes,
+                                   const at::Tensor& residuals, const at::Tensor& centroids,
+                                   const at::Tensor& bucket_weights, const at::Tensor& d_start,
+                                   const at::Tensor& d_len, const at::Tensor& argmax, int64_t nbits, bool normalize);
+
 // The CUDA forward's plan (forward_plan.cpp), as "key=value" words. arch -1:
 // the current CUDA device; else a model of sm_<arch> with sm_count SMs (<= 0:
 // the model's). force: "" or a family name (plan::family_name).
@@ -198,6 +228,9 @@ DecodeKeysFn decode_keys_cpu;
 RescoreTopkFn rescore_topk_cpu;
 BackwardFn backward_cpu;
 SegmentsFn segments_cpu;
+PlaidApproxFn plaid_approx_cpu;
+PlaidForwardFn plaid_forward_cpu;
+PlaidBackwardFn plaid_backward_cpu;
 #if defined(CUDA_KERNEL)
 ForwardFn forward_cuda;
 ForwardQuantFn forward_quant_cuda;
@@ -207,6 +240,9 @@ DecodeKeysFn decode_keys_cuda;
 RescoreTopkFn rescore_topk_cuda;
 BackwardFn backward_cuda;
 SegmentsFn segments_cuda;
+PlaidApproxFn plaid_approx_cuda;
+PlaidForwardFn plaid_forward_cuda;
+PlaidBackwardFn plaid_backward_cuda;
 // The planner's facts of the current CUDA device (maxsim-cuda/forward/forward.cu).
 plan::DeviceFacts cuda_device_facts();
 #endif

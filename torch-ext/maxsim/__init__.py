@@ -5,7 +5,7 @@ materialising the similarity grid, for inference and training. Load with
 ``kernels.get_kernel("<org>/maxsim")``.
 """
 
-from . import checks, distributed, integrations, keys, layers, reference
+from . import checks, distributed, head, integrations, keys, layers, plaid, reference
 from ._registry import FALLBACKS, ops
 from .reference import (
     maxsim_reference,
@@ -18,6 +18,7 @@ from .reference import (
     score_pairs_packed_with_argmax_reference,
 )
 from .corpus import Corpus
+from .head import maxsim_from_hidden
 from .plan import explain, forcing
 from .quantization import quantize_tokens
 from .retrieval import search
@@ -43,13 +44,16 @@ __all__ = [
     "distributed",
     "explain",
     "forcing",
+    "head",
     "integrations",
     "keys",
     "layers",
     "maxsim",
+    "maxsim_from_hidden",
     "maxsim_reference",
     "maxsim_reference_with_argmax",
     "ops",
+    "plaid",
     "quantize_tokens",
     "reference",
     "score_candidates_padded",

@@ -1,12 +1,19 @@
-"""Fake kernels and reference fallbacks for the compiled op set.
+"""Shape-only kernels and reference fallbacks for the compiled op set.
 
 The schemas live in ``torch_binding.cpp`` and the autograd of
 ``forward_train`` in ``autograd.cpp``; this module makes them usable under
-``torch.compile(fullgraph=True)`` (fake kernels) and complete on every
+``torch.compile(fullgraph=True)`` (shape-only kernels on the Meta key, which
+FakeTensor runs for an op without a registered fake) and complete on every
 device (a device
 whose build lacks an op gets the pure-PyTorch reference for it, recorded in
 ``FALLBACKS`` so tests can insist there is none). ``forward`` and
 ``forward_train`` share one kernel; only the latter carries autograd.
+
+Both go through one ``torch.library.Library`` fragment: the decorators
+``torch.library.register_fake`` / ``impl`` cost more than the rest of this
+package's import (``register_fake`` records its caller's source line, which
+makes ``inspect`` resolve every loaded module's path; ``impl`` makes a
+library per call).
 """
 
 from __future__ import annotations
@@ -32,6 +39,19 @@ SEGMENTS = add_op_namespace_prefix("segments")
 #: (op name, dispatch key) pairs served by the Python reference.
 FALLBACKS: set[tuple[str, str]] = set()
 
+_LIB = torch.library.Library(FORWARD.split("::")[0], "FRAGMENT")
+
+
+def _meta(*qualnames):
+    """Registers the decorated shape function as these ops' Meta kernel."""
+
+    def register(fn):
+        for name in qualnames:
+            _LIB.impl(name.split("::")[1], fn, "Meta")
+        return fn
+
+    return register
+
 
 def num_pairs(q_start, d_start, pair_q, layout: int) -> int:
     if layout == reference.CROSS:
@@ -47,8 +67,7 @@ def _argmax_empty(q, P, lq, argmax_kind):
     return q.new_empty((P, lq), dtype=torch.int16 if argmax_kind == 2 else torch.int32)
 
 
-@torch.library.register_fake(FORWARD_TRAIN)
-@torch.library.register_fake(FORWARD)
+@_meta(FORWARD, FORWARD_TRAIN)
 def _forward_fake(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d,
                   layout, lq, argmax_kind, precision, normalize=False):
     P = num_pairs(q_start, d_start, pair_q, layout)
@@ -56,36 +75,36 @@ def _forward_fake(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, 
     return q.new_empty((P,), dtype=sdt), _argmax_empty(q, P, lq, argmax_kind)
 
 
-@torch.library.register_fake(FORWARD_QUANT)
+@_meta(FORWARD_QUANT)
 def _forward_quant_fake(q, q_scale, q_start, q_len, q_mask, d, d_scale, d_start, d_len, d_mask,
                         pair_q, pair_d, layout, lq, argmax_kind, uniform_doc_scales=False):
     P = num_pairs(q_start, d_start, pair_q, layout)
     return q.new_empty((P,), dtype=torch.float32), _argmax_empty(q, P, lq, argmax_kind)
 
 
-@torch.library.register_fake(QUANTIZE)
+@_meta(QUANTIZE)
 def _quantize_fake(x, kind, scales=None):
     dp = (x.shape[1] + 15) // 16 * 16
     vt = torch.int8 if kind == 0 else torch.float8_e4m3fn
     return x.new_empty((x.shape[0], dp), dtype=vt), x.new_empty((x.shape[0],), dtype=torch.float32)
 
 
-@torch.library.register_fake(BLOCK_TOPK)
+@_meta(BLOCK_TOPK)
 def _block_topk_fake(scores, id0, k, ids=None):
     return scores.new_empty((scores.shape[0], min(k, scores.shape[1])), dtype=torch.int64)
 
 
-@torch.library.register_fake(DECODE_KEYS)
+@_meta(DECODE_KEYS)
 def _decode_keys_fake(keys):
     return keys.new_empty(keys.shape, dtype=torch.float32), torch.empty_like(keys)
 
 
-@torch.library.register_fake(RESCORE_TOPK)
+@_meta(RESCORE_TOPK)
 def _rescore_topk_fake(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, keys, lq, k):
     return keys.new_empty((keys.shape[0], k), dtype=torch.float32), keys.new_empty((keys.shape[0], k))
 
 
-@torch.library.register_fake(BACKWARD)
+@_meta(BACKWARD)
 def _backward_fake(grad, q, q_start, q_len, d, d_start, d_len, pair_q, pair_d, argmax,
                    layout, q_ptr, q_pairs, d_ptr, d_pairs, need_dq, need_dd, normalize=False):
     dq = torch.empty_like(q) if need_dq else q.new_empty((0,))
@@ -93,7 +112,7 @@ def _backward_fake(grad, q, q_start, q_len, d, d_start, d_len, pair_q, pair_d, a
     return dq, dd
 
 
-@torch.library.register_fake(SEGMENTS)
+@_meta(SEGMENTS)
 def _segments_fake(offsets, totals, max_lens, ints, lo, hi):
     out = []
     for o in offsets:
@@ -171,7 +190,7 @@ def _register_fallbacks() -> None:
                            (DECODE_KEYS, _reference_decode_keys), (RESCORE_TOPK, _reference_rescore_topk),
                            (BACKWARD, _reference_backward), (SEGMENTS, _reference_segments)):
             if not torch._C._dispatch_has_kernel_for_dispatch_key(name, key):
-                torch.library.impl(name, key)(impl)
+                _LIB.impl(name.split("::")[1], impl, key)
                 FALLBACKS.add((name.split("::")[1], key))
 
 

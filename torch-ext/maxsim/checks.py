@@ -44,7 +44,16 @@ def _env_default() -> bool:
 _mode = {"on": _env_default(), "warned": False}
 
 
-@torch.compiler.assume_constant_result
+def _assume_constant_result(fn):
+    """``torch.compiler.assume_constant_result`` without its import of
+    torch._dynamo (hundreds of modules, most of a cold import of this
+    package): the decorator only sets this attribute, which Dynamo reads
+    when it traces a call (tests/test_loading.py checks they agree)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_assume_constant_result
 def _skipped() -> bool:
     """False, with a one-time warning. Under torch.compile it runs while
     tracing (a constant result), so the warning breaks no graph."""

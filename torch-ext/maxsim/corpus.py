@@ -100,11 +100,15 @@ class Corpus:
 
     def __init__(self, documents: Tensor, offsets=None, *, lengths=None, mask=None, storage: str = "device",
                  quantization: Optional[str] = None, scales: Optional[Tensor] = None, device=None,
-                 chunk_mib: int = 256, rescore: Optional[str] = None, scale_layout: Optional[str] = None):
+                 chunk_mib: int = 256, rescore: Optional[str] = None, scale_layout: Optional[str] = None,
+                 nbits: int = 2, plaid: Optional[dict] = None):
+        if quantization == "plaid":
+            self._init_plaid(documents, offsets, lengths, mask, storage, device, rescore, nbits, plaid or {})
+            return
         if storage not in ("device", "pinned", "cpu"):
             raise ValueError(f"storage must be 'device', 'pinned' or 'cpu', got {storage!r}")
         if quantization not in (None, "int8", "fp8"):
-            raise ValueError(f"quantization must be None, 'int8' or 'fp8', got {quantization!r}")
+            raise ValueError(f"quantization must be None, 'int8', 'fp8' or 'plaid', got {quantization!r}")
         if rescore not in (None, "device", "pinned", "cpu"):
             raise ValueError(f"rescore must be None, 'device', 'pinned' or 'cpu', got {rescore!r}")
         if scale_layout not in (None, "token", "document"):
@@ -212,6 +216,74 @@ class Corpus:
         if storage == "pinned":
             self._plan_chunks(starts, lens, chunk_mib)
 
+    # -- PLAID / ColBERTv2 residual compression -------------------------------------
+    def _init_plaid(self, documents, offsets, lengths, mask, storage, device, rescore, nbits, options) -> None:
+        from .plaid import PlaidIndex
+
+        if storage not in ("device", "cpu"):
+            raise ValueError("a plaid corpus is stored on 'device' or 'cpu'")
+        if rescore not in (None, "device"):
+            raise ValueError("a plaid corpus keeps its originals (rescore=) on 'device' only")
+        if mask is not None:
+            raise ValueError("a plaid corpus takes lengths or offsets, not a token mask")
+        check_values("documents", documents, "offsets", offsets, "lengths", lengths)
+        tokens, starts, lens, _ = _as_packed(documents, offsets, lengths, None)
+        _check_dim(tokens)
+        if tokens.dtype not in FLOATS:
+            raise TypeError("a plaid corpus compresses float documents")
+        dev = self._plaid_device(storage, device, tokens)
+        index = PlaidIndex.build(tokens.to(dev), starts.to(dev), lens.to(dev), nbits, **options)
+        self._adopt_plaid(index, tokens.shape[0], tokens.dtype)
+        if rescore is not None:
+            self.originals = (tokens.to(dev).contiguous(), None, starts.to(dev), lens.to(dev),
+                              int(lens.max()) if lens.numel() else 0)
+
+    @staticmethod
+    def _plaid_device(storage, device, like) -> torch.device:
+        if storage == "cpu":
+            return torch.device("cpu")
+        dev = torch.device(device) if device is not None else (
+            torch.device("cuda") if torch.cuda.is_available() else like.device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        return dev
+
+    def _adopt_plaid(self, index, num_tokens: int, dtype) -> None:
+        self.plaid = index
+        self.device = index.codes.device
+        self.storage = "device" if self.device.type != "cpu" else "cpu"
+        self.quantization = "plaid"
+        self.scale_layout = None
+        self.uniform_doc_scales = False
+        self.dim = index.dim
+        self.dtype = dtype
+        self.num_docs = index.starts.numel()
+        self.num_tokens = num_tokens
+        self.tokens = self.scales = self.token_mask = None
+        self.originals = None
+        self.starts, self.lengths = index.starts, index.lengths
+        self._chunks = None
+
+    @classmethod
+    def from_plaid(cls, codes: Tensor, residuals: Tensor, centroids: Tensor, bucket_weights: Tensor, nbits: int,
+                   offsets: Tensor) -> "Corpus":
+        """A corpus over an existing ColBERTv2 / fast-plaid compressed layout
+        (flat ``codes [T]``, ``residuals [T, ceil(d * nbits / 8)]`` uint8,
+        ``centroids [C, d]``, ``bucket_weights [2^nbits]``, document n =
+        tokens ``offsets[n] .. offsets[n+1]-1``), used in place: int32 codes
+        and fp32 tables are not copied (int64 codes / fp16 centroids are
+        converted once)."""
+        from .plaid import PlaidIndex
+
+        off = torch.as_tensor(offsets).to(codes.device)
+        if off.dim() != 1 or off.dtype not in INTS:
+            raise TypeError("offsets must be a 1-D int32 / int64 tensor [N+1]")
+        validate_offsets("offsets", off.to("cpu", torch.int64), codes.shape[0])
+        index = PlaidIndex(codes, residuals, centroids, bucket_weights, nbits, off[:-1], off[1:] - off[:-1])
+        self = cls.__new__(cls)
+        self._adopt_plaid(index, codes.shape[0], torch.float32)
+        return self
+
     def __len__(self) -> int:
         return self.num_docs
 
@@ -239,6 +311,9 @@ class Corpus:
                 starts.to(torch.int32).to(dev), lengths.to(torch.int32).to(dev))
 
     def __repr__(self) -> str:
+        if self.quantization == "plaid":
+            return (f"Corpus({self.num_docs} docs, {self.num_tokens} tokens, dim {self.dim}, plaid "
+                    f"{self.plaid.nbits}-bit, {self.plaid.centroids.shape[0]} centroids, device={self.device})")
         q = self.quantization or str(self.dtype).replace("torch.", "")
         return (f"Corpus({self.num_docs} docs, {self.num_tokens} tokens, dim {self.dim}, {q}, "
                 f"storage={self.storage}, device={self.device})")

@@ -39,7 +39,16 @@ def cached_index(key: tuple, device, build):
     capturing = torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
     if not capturing and len(_INDEX_CACHE) < 256:
         _INDEX_CACHE[key] = val
+        _CACHED_IDS.add(id(val[0]))
     return val
+
+
+_CACHED_IDS: set = set()
+
+
+def index_cached(t: Tensor) -> bool:
+    """Whether ``t`` came from the index cache (so a caller may keep it too)."""
+    return id(t) in _CACHED_IDS
 
 
 def uniform_segments(n: int, extent: int, device) -> tuple[Tensor, Tensor]:
@@ -108,13 +117,14 @@ def needs_grad(*tensors: Tensor) -> bool:
 
 
 def run(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d,
-        layout, lq, kind, precision, normalize=False):
+        layout, lq, kind, precision, normalize=False, train=None):
     """q / d: token tensors [..., dim]; precision: an op code (precision_code).
     Returns scores shaped by layout ([Nq, Nd] CROSS, [Nq, K] GROUPED, [P]
-    LIST) and the argmax [P, lq]."""
+    LIST) and the argmax [P, lq]. ``train``: whether a gradient can flow
+    (None: find out)."""
     q = q if q.is_contiguous() else q.contiguous()
     d = d if d.is_contiguous() else d.contiguous()
-    if needs_grad(q, d):
+    if needs_grad(q, d) if train is None else train:
         # The autograd-carrying op only when a gradient can flow (it costs an
         # autograd node per call); it flattens and reshapes inside the node.
         return ops.forward_train(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask,

@@ -21,7 +21,7 @@ from .corpus import Corpus, as_corpus
 from .keys import merge_topk
 from .lowering import padded_segments
 from .quantization import quantize_tokens
-from .reference import CROSS, GROUPED
+from .reference import CROSS, GROUPED, LIST
 from .checks import (
     FLOATS,
     check_count,
@@ -102,10 +102,39 @@ def _rescore(q, q_start, q_len, qm, Nq, Lq, corpus, keys, k, dev) -> tuple[Tenso
     return ops.decode_keys(top if top.shape[1] == k else merge_topk(top, k))
 
 
+def _plaid_search(corpus, q, q_start, q_len, qm, Nq, Lq, single, k, oversample, pad_to_k, nprobe, candidates):
+    k_out = min(k, corpus.num_docs)
+    mask = torch.arange(Lq, device=q.device)[None, :] < q_len[:, None]
+    if qm is not None:
+        mask = mask & qm.view(Nq, Lq)
+    originals = None
+    if corpus.originals is not None:
+        orig, omask, ost, oln, _ = corpus.originals
+
+        def originals(Q3, query_mask, ids, pair_q):
+            s, _ = ops.forward(q.to(orig.dtype), q_start, q_len, qm, orig, ost.to(torch.int32),
+                               oln.to(torch.int32), omask, pair_q, ids.to(torch.int32), LIST, Lq, 0, False, True)
+            return s
+    if k_out and Nq:
+        nc = candidates or max(oversample * k_out, 256)
+        scores, ids = corpus.plaid.search(q.view(Nq, Lq, -1), k_out, query_mask=mask, nprobe=nprobe,
+                                          candidates=nc, rerank="originals" if originals else "decompressed",
+                                          originals=originals)
+    else:
+        scores = torch.empty((Nq, 0), dtype=torch.float32, device=q.device)
+        ids = torch.empty((Nq, 0), dtype=torch.int64, device=q.device)
+    if pad_to_k and k > scores.shape[1]:
+        pad = k - scores.shape[1]
+        scores = torch.cat([scores, scores.new_full((Nq, pad), float("-inf"))], dim=1)
+        ids = torch.cat([ids, ids.new_full((Nq, pad), -1)], dim=1)
+    return (scores[0], ids[0]) if single else (scores, ids)
+
+
 def search(queries: Tensor, corpus, k: int, *, query_lengths: Optional[Tensor] = None,
            query_mask: Optional[Tensor] = None, block_docs: Optional[int] = None,
            oversample: int = 4, pad_to_k: bool = False,
-           validate: Optional[bool] = None) -> tuple[Tensor, Tensor]:
+           validate: Optional[bool] = None, nprobe: Optional[int] = None,
+           candidates: Optional[int] = None) -> tuple[Tensor, Tensor]:
     """Exact MaxSim top-k of each query over ``corpus``.
 
     ``queries``: ``[Lq, d]`` or ``[Nq, Lq, d]`` (float), with optional
@@ -126,6 +155,15 @@ def search(queries: Tensor, corpus, k: int, *, query_lengths: Optional[Tensor] =
     validation mode) checks ``query_lengths`` against ``Lq`` (one host
     sync); otherwise a length outside ``[0, Lq]`` makes that query's scores
     NaN.
+
+    On a ``quantization="plaid"`` corpus the search is approximate in its
+    candidates: PLAID's centroid scores of every document (one fused scan of
+    the codes) give ``candidates`` (default ``max(oversample x k, 256)``)
+    per query, restricted with ``nprobe`` to the documents holding a token of
+    one of the ``nprobe`` best centroids of some query token (the inverted
+    lists; one host sync), and those are re-scored exactly on their
+    decompressed tokens (or on the originals, kept with ``rescore="device"``),
+    queries and tokens L2-normalised.
     """
     check_float("queries", queries)
     k = check_count("k", k)
@@ -138,6 +176,9 @@ def search(queries: Tensor, corpus, k: int, *, query_lengths: Optional[Tensor] =
     if q.shape[1] != corpus.dim:
         raise ValueError(f"embedding dim mismatch: queries have {q.shape[1]}, the corpus {corpus.dim}")
     quant = corpus.quantization
+    if quant == "plaid":
+        return _plaid_search(corpus, q, q_start, q_len, qm, Nq, Lq, single, k, oversample, pad_to_k, nprobe,
+                             candidates)
     if quant is None and q.dtype != corpus.dtype:
         raise TypeError(f"queries have dtype {q.dtype} but the corpus has {corpus.dtype}; "
                         "queries and documents must share a dtype")

@@ -16,14 +16,15 @@ from typing import Optional
 import torch
 
 from .lowering import (
+    I16_MAX,
     I32_RANGE,
     argmax_kind,
     as_int32,
     empty_result,
     empty_scores,
     flat_mask,
-    needs_grad,
     precision_code,
+    index_cached,
     run,
     segments,
     uniform_segments,
@@ -324,6 +325,55 @@ def score_pairs_packed_train(queries, query_offsets, documents, document_offsets
 # maxsim(): boolean masks, cross or per-query candidates, differentiable
 # ----------------------------------------------------------------------------
 
+def _check_maxsim(Q, D, q_mask, d_mask) -> None:
+    """maxsim()'s argument checks (types, ranks, shapes, dtypes, devices)."""
+    check_float("Q", Q)
+    check_float("D", D)
+    check_rank("Q", Q, 3, "[Nq, Lq, d]")
+    if D.dim() not in (3, 4):
+        raise ValueError(f"D must be 3-D [Nd, Ld, d] or 4-D [Nq, K, Ld, d], got shape {tuple(D.shape)}")
+    check_dim("Q", Q, "D", D)
+    Nq = Q.shape[0]
+    if D.dim() == 4 and D.shape[0] != Nq:
+        raise ValueError(f"D [Nq, K, Ld, d] must have Nq={Nq} in dim 0, got {D.shape[0]}")
+    if q_mask is not None:
+        check_mask("q_mask", q_mask, Q.shape[:2])
+    if d_mask is not None:
+        check_mask("d_mask", d_mask, D.shape[:-1])
+    check_same("Q", Q, "D", D, "q_mask", q_mask, "d_mask", d_mask)
+
+
+# maxsim()'s per-shape decisions: key (everything the checks read) -> the
+# lowered call's index tensors and constants, so a repeated shape (every
+# training step) skips the checks and the lowering. Bounded like the index
+# cache; not filled while compiling or capturing.
+_MAXSIM_PLANS: dict = {}
+
+
+def _maxsim_key(Q, D, q_mask, d_mask):
+    try:
+        return (Q.shape, D.shape, Q.dtype, D.dtype, Q.device, D.device,
+                None if q_mask is None else (q_mask.shape, q_mask.dtype, q_mask.device),
+                None if d_mask is None else (d_mask.shape, d_mask.dtype, d_mask.device))
+    except AttributeError:
+        return None  # not tensors: the checks say what is wrong
+
+
+def _maxsim_plan(Q, D, q_mask, d_mask):
+    """(q_start, q_len, d_start, d_len, layout, Lq, Ld), or the output shape
+    (a tuple of two ints) for a call with no pairs; checks the arguments."""
+    _check_maxsim(Q, D, q_mask, d_mask)
+    Nq, Lq, _ = Q.shape
+    Ld = D.shape[-2]
+    n_docs = D.shape[0] * (D.shape[1] if D.dim() == 4 else 1)
+    if Nq * n_docs == 0:
+        return (Nq, D.shape[1] if D.dim() == 4 else D.shape[0])
+    dev = Q.device
+    q_start, q_len = uniform_segments(Nq, Lq, dev)
+    d_start, d_len = uniform_segments(n_docs, Ld, dev)
+    return (q_start, q_len, d_start, d_len, GROUPED if D.dim() == 4 else CROSS, Lq, Ld)
+
+
 def maxsim(Q: Tensor, D: Tensor, q_mask: Optional[Tensor] = None, d_mask: Optional[Tensor] = None, *,
            normalize: bool = False, precision: Optional[str] = None, tf32: bool = False) -> Tensor:
     """MaxSim of ``Q [Nq, Lq, d]`` against ``D [Nd, Ld, d]`` (every query x every
@@ -337,31 +387,17 @@ def maxsim(Q: Tensor, D: Tensor, q_mask: Optional[Tensor] = None, d_mask: Option
     ``"exact"`` scalar fp32, ``"tf32"`` one TF32 product (~7e-4);
     ``tf32=True`` means ``precision="tf32"``. The CPU is exact whatever it is.
     """
-    check_float("Q", Q)
-    check_float("D", D)
-    check_rank("Q", Q, 3, "[Nq, Lq, d]")
-    if D.dim() not in (3, 4):
-        raise ValueError(f"D must be 3-D [Nd, Ld, d] or 4-D [Nq, K, Ld, d], got shape {tuple(D.shape)}")
-    check_dim("Q", Q, "D", D)
-    Nq, Lq, _ = Q.shape
-    if D.dim() == 4 and D.shape[0] != Nq:
-        raise ValueError(f"D [Nq, K, Ld, d] must have Nq={Nq} in dim 0, got {D.shape[0]}")
-    if q_mask is not None:
-        check_mask("q_mask", q_mask, Q.shape[:2])
-    if d_mask is not None:
-        check_mask("d_mask", d_mask, D.shape[:-1])
-    check_same("Q", Q, "D", D, "q_mask", q_mask, "d_mask", d_mask)
-    Ld = D.shape[-2]
-    n_docs = D.shape[0] * (D.shape[1] if D.dim() == 4 else 1)
-    out_shape = (Nq, D.shape[1] if D.dim() == 4 else D.shape[0])
-    if Nq * n_docs == 0:
-        return empty_scores(out_shape, Q, D)
-    dev = Q.device
-    q_start, q_len = uniform_segments(Nq, Lq, dev)
-    d_start, d_len = uniform_segments(n_docs, Ld, dev)
-    train = needs_grad(Q, D)
-    kind = argmax_kind(train, False, Ld)
-    scores, _ = run(Q, q_start, q_len, flat_mask(q_mask), D, d_start, d_len,
-                    flat_mask(d_mask), None, None, GROUPED if D.dim() == 4 else CROSS, Lq, kind,
-                    precision_code(precision, tf32), normalize)
-    return scores
+    key = None if torch.compiler.is_compiling() else _maxsim_key(Q, D, q_mask, d_mask)
+    plan = _MAXSIM_PLANS.get(key) if key is not None else None
+    if plan is None:
+        plan = _maxsim_plan(Q, D, q_mask, d_mask)
+        if (key is not None and len(plan) > 2 and len(_MAXSIM_PLANS) < 256
+                and index_cached(plan[0]) and index_cached(plan[2])):
+            _MAXSIM_PLANS[key] = plan
+    if len(plan) == 2:
+        return empty_scores(plan, Q, D)
+    q_start, q_len, d_start, d_len, layout, Lq, Ld = plan
+    train = torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad)
+    kind = (2 if Ld <= I16_MAX else 1) if train else 0
+    return run(Q, q_start, q_len, flat_mask(q_mask), D, d_start, d_len, flat_mask(d_mask),
+               None, None, layout, Lq, kind, precision_code(precision, tf32), normalize, train)[0]

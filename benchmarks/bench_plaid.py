@@ -1,0 +1,265 @@
+"""PLAID / ColBERTv2 compressed corpora and the projection head, every
+implementation side by side in one process: maxsim's ops, late-interaction-
+kernels' (``plaid``, ``fused_head``) and the plain compositions.
+
+Rows (``workload``, ``impl``, ``ms``, and per row ``floor_ms`` / recall / bytes):
+- rerank-<docs>-<nbits>b: 1 query x docs of 300 tokens, decompress + MaxSim
+  (flat cu_seqlens layout; the peer's padded one too);
+- approx-<docs>: PLAID's centroid scores over docs of 300 tokens;
+- search-<docs>-<nbits>b: search on a plaid corpus vs exact bf16 search
+  (latency, recall@10 / @100, bytes per token) on clustered data, the exact
+  re-score on the decompressed tokens or on the kept originals;
+- head-fwd / head-train: MaxSim from hidden states [Nd, Ld, 768] through a
+  768 -> 128 head, forward and forward + backward.
+
+    python benchmarks/bench_plaid.py                 # GPU, the issue's sizes
+    python benchmarks/bench_plaid.py --tiny          # seconds, CPU or GPU
+    python benchmarks/bench_plaid.py --out $OUT/x.json
+
+Writes bench_results/<gpu>-plaid.json (``cpu-plaid.json`` on the CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gpu import load_maxsim, write_results  # noqa: E402
+
+D = 128
+LD = 300
+LQ = 32
+
+
+def timer(dev):
+    def run(fn, reps=10, warmup=2):
+        for _ in range(warmup):
+            fn()
+        ts = []
+        for _ in range(reps):
+            if dev.type == "cuda":
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                ts.append(a.elapsed_time(b))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                ts.append((time.perf_counter() - t0) * 1e3)
+        return round(statistics.median(ts), 4)
+    return run
+
+
+def bandwidth(dev):
+    if dev.type != "cuda":
+        return None
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    y = torch.empty_like(x)
+    ms = timer(dev)(lambda: y.copy_(x), reps=5)
+    return 2 * (1 << 30) / ms / 1e6  # GB/s = bytes / ms / 1e6
+
+
+def compressed_docs(n, nbits, C, dev, gen):
+    """Random compressed documents of LD tokens (flat layout) + tables."""
+    T = n * LD
+    codes = torch.randint(0, C, (T,), device=dev, generator=gen, dtype=torch.int32)
+    P = (D * nbits + 7) // 8
+    res = torch.randint(0, 256, (T, P), device=dev, generator=gen, dtype=torch.int32).to(torch.uint8)
+    cent = F.normalize(torch.randn(C, D, device=dev, generator=gen), dim=-1)
+    bw = torch.sort(torch.randn(1 << nbits, device=dev, generator=gen) * 0.05).values
+    cu = torch.arange(n + 1, device=dev, dtype=torch.int32) * LD
+    return codes, res, cent, bw, cu
+
+
+def row(rows, workload, impl, ms, **extra):
+    r = dict(workload=workload, impl=impl, ms=ms, **extra)
+    rows.append(r)
+    extras = " ".join(f"{k}={v}" for k, v in extra.items())
+    print(f"{workload:<22} {impl:<26} {ms:>10.4f} ms  {extras}", flush=True)
+
+
+def try_row(rows, workload, impl, fn, run, **extra):
+    try:
+        row(rows, workload, impl, run(fn), **extra)
+    except Exception as e:  # noqa: BLE001 -- a peer failing on a shape is a result, not a crash
+        print(f"{workload:<22} {impl:<26} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+        rows.append(dict(workload=workload, impl=impl, ms=None, error=f"{type(e).__name__}"))
+
+
+def bench_rerank(ms, lik, rows, dev, run, sizes, bw_gbs):
+    gen = torch.Generator(device=dev).manual_seed(0)
+    Q = F.normalize(torch.randn(1, LQ, D, device=dev, generator=gen), dim=-1)
+    for n in sizes:
+        for nbits in (2, 4):
+            codes, res, cent, bw, cu = compressed_docs(n, nbits, 1 << 14, dev, gen)
+            wl = f"rerank-{n}-{nbits}b"
+            nbytes = codes.numel() * 4 + res.numel()
+            floor = round(nbytes / bw_gbs / 1e6, 4) if bw_gbs else None
+            try_row(rows, wl, "maxsim", lambda: ms.plaid.maxsim_residual_varlen(Q, codes, res, cu, cent, bw, nbits),
+                    run, floor_ms=floor, bytes_per_token=4 + res.shape[1])
+            if lik is not None:
+                from late_interaction_kernels import plaid as lp
+
+                try_row(rows, wl, "lik-varlen",
+                        lambda: lp.maxsim_residual_varlen(Q, codes, res, cu, cent, bw, nbits, max_seqlen_d=LD), run)
+                pc, pr = codes.view(n, LD), res.view(n, LD, -1)
+                lens = torch.full((n,), LD, device=dev, dtype=torch.int64)
+                try_row(rows, wl, "lik-padded", lambda: lp.maxsim_residual(Q, pc, pr, lens, cent, bw, nbits), run)
+            dec = ms.plaid.decompress(codes, res, cent, bw, nbits)
+            dec = F.normalize(dec, dim=-1).to(torch.bfloat16 if dev.type == "cuda" else torch.float32).view(n, LD, D)
+            qd = Q.to(dec.dtype)
+            try_row(rows, wl, "maxsim-decompressed-bf16", lambda: ms.maxsim(qd, dec), run)
+            del codes, res, dec
+
+
+def bench_approx(ms, lik, rows, dev, run, n, bw_gbs):
+    gen = torch.Generator(device=dev).manual_seed(1)
+    C = 1 << 16 if dev.type == "cuda" else 1 << 10
+    codes = torch.randint(0, C, (n * LD,), device=dev, generator=gen, dtype=torch.int32)
+    cu = torch.arange(n + 1, device=dev, dtype=torch.int32) * LD
+    qcs = torch.randn(C, LQ, device=dev, generator=gen)
+    wl = f"approx-{n}"
+    floor = round(codes.numel() * 4 / bw_gbs / 1e6, 4) if bw_gbs else None
+    try_row(rows, wl, "maxsim", lambda: ms.plaid.approx_scores(qcs, codes, cu_seqlens=cu), run, floor_ms=floor)
+    if lik is not None:
+        from late_interaction_kernels import plaid as lp
+
+        lens = torch.full((n,), LD, device=dev, dtype=torch.int64)
+        pc = codes.view(n, LD)
+        try_row(rows, wl, "lik", lambda: lp.plaid_approx_score(qcs, pc, lens), run)
+
+
+def clustered(n, dev, gen, topics=4096):
+    cent = F.normalize(torch.randn(topics, D, device=dev, generator=gen), dim=-1)
+    docs = torch.empty(n, LD, D, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    step = max(1, (1 << 26) // (LD * D))
+    for i in range(0, n, step):
+        m = min(step, n - i)
+        # each document mixes a few topics, tokens = topic + noise
+        topic = torch.randint(0, topics, (m, 8), device=dev, generator=gen)
+        pick = torch.randint(0, 8, (m, LD), device=dev, generator=gen)
+        x = cent[topic.gather(1, pick)] * 3.0 + torch.randn(m, LD, D, device=dev, generator=gen) / D ** 0.5 * 3.0
+        docs[i:i + m] = F.normalize(x, dim=-1).to(docs.dtype)
+    return docs, cent
+
+
+def recall(ids, ref, k):
+    ids, ref = ids[:, :k].cpu(), ref[:, :k].cpu()
+    return round(sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(ids, ref)) / ids.numel(), 4)
+
+
+def bench_search(ms, rows, dev, run, n, nq, reps):
+    gen = torch.Generator(device=dev).manual_seed(2)
+    docs, cent = clustered(n, dev, gen)
+    topic = torch.randint(0, cent.shape[0], (nq, LQ), device=dev, generator=gen)
+    Q = F.normalize(cent[topic] + 0.3 * torch.randn(nq, LQ, D, device=dev, generator=gen), dim=-1).to(docs.dtype)
+    exact = ms.Corpus(docs, device=dev, storage="cpu" if dev.type == "cpu" else "device")
+    _, ref = ms.search(Q, exact, 100)
+    row(rows, f"search-{n}", "maxsim-exact-bf16", run(lambda: ms.search(Q, exact, 100), reps=reps),
+        bytes_per_token=D * docs.element_size())
+    del exact
+    for nbits in (2, 4):
+        t0 = time.perf_counter()
+        pc = ms.Corpus(docs, device=dev, storage="cpu" if dev.type == "cpu" else "device", quantization="plaid",
+                       nbits=nbits, rescore="device")
+        build_s = round(time.perf_counter() - t0, 2)
+        # the same corpus re-scoring on its decompressed tokens, then on its originals
+        originals, pc.originals = pc.originals, None
+        for cands, nprobe, orig in ((1000, None, False), (4000, None, False), (1000, 32, False), (1000, None, True)):
+            pc.originals = originals if orig else None
+            _, ids = ms.search(Q, pc, 100, candidates=cands, nprobe=nprobe)
+            label = f"maxsim-plaid-c{cands}" + (f"-p{nprobe}" if nprobe else "") + ("+rescore-device" if orig else "")
+            row(rows, f"search-{n}-{nbits}b", label,
+                run(lambda: ms.search(Q, pc, 100, candidates=cands, nprobe=nprobe), reps=reps),
+                recall10=recall(ids, ref, 10), recall100=recall(ids, ref, 100),
+                bytes_per_token=pc.plaid.bytes_per_token, build_s=build_s,
+                centroids=pc.plaid.centroids.shape[0])
+        del pc
+    del docs
+
+
+def bench_head(ms, lik, rows, dev, run, nq, nd, ld, dm=768):
+    gen = torch.Generator(device=dev).manual_seed(3)
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    Q = F.normalize(torch.randn(nq, LQ, D, device=dev, generator=gen), dim=-1).to(dt)
+    H = torch.randn(nd, ld, dm, device=dev, generator=gen).to(dt)
+    W = (torch.randn(D, dm, device=dev, generator=gen) / dm ** 0.5).to(dt)
+    b = (0.01 * torch.randn(D, device=dev, generator=gen)).to(dt)
+
+    def composed(Q, H, W, b):
+        return ms.maxsim(Q, F.normalize(F.linear(H, W, b), dim=-1))
+
+    impls = {"maxsim": lambda *a: ms.maxsim_from_hidden(*a), "projection+maxsim": composed}
+    if lik is not None:
+        from late_interaction_kernels.fused_head import maxsim_from_hidden as lik_head
+
+        impls["lik"] = lambda *a: lik_head(*a)
+    shape = f"{nq}x{nd}x{ld}"
+    for name, fn in impls.items():
+        with torch.no_grad():
+            try_row(rows, f"head-fwd-{shape}", name, lambda: fn(Q, H, W, b), run)
+        leaves = [t.clone().requires_grad_(True) for t in (Q, H, W, b)]
+        g = torch.randn(nq, nd, device=dev, generator=gen)
+
+        def train():
+            for t in leaves:
+                t.grad = None
+            (fn(*leaves).float() * g).sum().backward()
+        try_row(rows, f"head-train-{shape}", name, train, run)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tiny", action="store_true", help="small sizes (CPU or GPU, seconds)")
+    ap.add_argument("--only", default="rerank,approx,search,head")
+    ap.add_argument("--search-docs", type=int, default=None)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    ms = load_maxsim()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    run = timer(dev)
+    lik = None
+    if dev.type == "cuda":
+        try:
+            import late_interaction_kernels as lik
+        except Exception as e:  # noqa: BLE001
+            print(f"late-interaction-kernels unavailable: {e}")
+    tiny = args.tiny or dev.type == "cpu"
+    bw_gbs = bandwidth(dev)
+    only = set(args.only.split(","))
+    rows = []
+    if "rerank" in only:
+        bench_rerank(ms, lik, rows, dev, run, [20] if tiny else [1000, 10000], bw_gbs)
+    if "approx" in only:
+        bench_approx(ms, lik, rows, dev, run, 200 if tiny else 1_000_000, bw_gbs)
+    if "search" in only:
+        bench_search(ms, rows, dev, run, args.search_docs or (300 if tiny else 100_000), 4 if tiny else 16,
+                     3 if tiny else 5)
+    if "head" in only:
+        if tiny:
+            bench_head(ms, lik, rows, dev, run, 2, 8, 40, dm=64)
+        else:
+            bench_head(ms, lik, rows, dev, run, 1, 1000, 300)
+            bench_head(ms, lik, rows, dev, run, 32, 32, 180)
+    if dev.type == "cuda":
+        write_results(rows, args.out, "-plaid", bandwidth_gbs=bw_gbs, tiny=tiny)
+    else:
+        out = Path(args.out or Path(__file__).resolve().parent.parent / "bench_results" / "cpu-plaid.json")
+        import json
+
+        out.write_text(json.dumps(dict(meta=dict(gpu="cpu", torch=torch.__version__, tiny=True), rows=rows),
+                                  indent=2) + "\n")
+        print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,324 @@
+"""PLAID / ColBERTv2 compressed documents: the codec, the compiled ops against
+fp64 references (odd shapes, nbits 2 / 4 / 8, d not a multiple of the
+packing, empty documents, out-of-range codes), gradients, the fake kernels,
+and search on a plaid corpus."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import DEVICES, relerr
+
+NBITS = [2, 4, 8]
+
+
+def _codec(ms, T, d, C, nbits, device, seed=0):
+    """Random compressed tokens: codes (a few out of range), residual bytes,
+    centroids and sorted bucket weights."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, C, (T,), generator=g, dtype=torch.int32)
+    if T > 2:
+        codes[1] = C + 3  # out of range: reads centroid 0
+        codes[2] = -1
+    P = ms.plaid.packed_bytes(d, nbits)
+    res = torch.randint(0, 256, (T, P), generator=g, dtype=torch.int32).to(torch.uint8)
+    cent = torch.randn(C, d, generator=g)
+    cent = cent / cent.norm(dim=-1, keepdim=True)
+    bw = torch.sort(torch.randn(1 << nbits, generator=g) * 0.1).values
+    return codes.to(device), res.to(device), cent.to(device), bw.to(device)
+
+
+@pytest.mark.parametrize("nbits", NBITS)
+@pytest.mark.parametrize("d", [1, 3, 15, 17, 128])
+def test_pack_roundtrip_and_bit_order(ms, nbits, d):
+    g = torch.Generator().manual_seed(d * nbits)
+    b = torch.randint(0, 1 << nbits, (5, d), generator=g)
+    packed = ms.plaid.pack(b, nbits)
+    assert packed.dtype == torch.uint8 and packed.shape == (5, (d * nbits + 7) // 8)
+    assert torch.equal(ms.plaid.unpack(packed, nbits, d), b)
+    # the layout late-interaction-kernels reads: feature f in bits
+    # (f % per) * nbits of byte f // per, lowest bits first
+    per = 8 // nbits
+    for f in range(d):
+        got = (packed[:, f // per].long() >> ((f % per) * nbits)) & ((1 << nbits) - 1)
+        assert torch.equal(got, b[:, f])
+    if nbits == 2 and d >= 4:
+        one = ms.plaid.pack(torch.tensor([[1, 2, 3, 0] + [0] * (d - 4)]), 2)
+        assert one[0, 0].item() == 0b00111001
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("nbits", NBITS)
+def test_compress_decompress(ms, device, nbits):
+    g = torch.Generator().manual_seed(nbits)
+    x = torch.randn(600, 33, generator=g).to(device)
+    cent = ms.plaid.kmeans(x, 16, iters=4)
+    assert cent.shape == (16, 33) and torch.allclose(cent.norm(dim=-1), torch.ones(16, device=device), atol=1e-5)
+    r = x - cent[ms.plaid.nearest_centroid(x, cent).long()]
+    cut, w = ms.plaid.bucket_params(r, nbits)
+    assert cut.shape == ((1 << nbits) - 1,) and w.shape == (1 << nbits,)
+    assert bool((cut[1:] >= cut[:-1]).all()) and bool((w[1:] >= w[:-1]).all())
+    codes, res = ms.plaid.compress(x, cent, cut, nbits)
+    assert codes.dtype == torch.int32 and torch.equal(codes, (x @ cent.T).argmax(1).to(torch.int32))
+    y = ms.plaid.decompress(codes, res, cent, w, nbits)
+    err = ((y - x).norm() / x.norm()).item()
+    bound = {2: 0.6, 4: 0.2, 8: 0.05}[nbits]
+    assert err < bound, err
+    # more bits, smaller error
+    if nbits < 8:
+        cut8, w8 = ms.plaid.bucket_params(r, 8)
+        y8 = ms.plaid.decompress(*ms.plaid.compress(x, cent, cut8, 8), cent, w8, 8)
+        assert (y8 - x).norm() < (y - x).norm()
+
+
+def _padded(codes, res, lengths, L):
+    """Flat codec tensors laid out padded [Nd, L(, P)] (junk past each length)."""
+    Nd = lengths.numel()
+    g = torch.Generator().manual_seed(7)
+    pc = torch.randint(0, 5, (Nd, L), generator=g, dtype=torch.int32).to(codes.device)
+    pr = torch.randint(0, 256, (Nd, L, res.shape[1]), generator=g, dtype=torch.int32).to(torch.uint8).to(res.device)
+    off = 0
+    for n, ln in enumerate(lengths.tolist()):
+        pc[n, :ln] = codes[off:off + ln]
+        pr[n, :ln] = res[off:off + ln]
+        off += ln
+    return pc, pr
+
+
+SHAPES = [  # Nq, Lq, lengths, d
+    (1, 1, [1], 1),
+    (2, 17, [0, 5, 17, 1], 15),
+    (3, 33, [40, 0, 33, 7, 1], 17),
+    (1, 32, [300, 12, 0, 65], 128),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("nbits", NBITS)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"nq{s[0]}-lq{s[1]}-nd{len(s[2])}-d{s[3]}")
+@pytest.mark.parametrize("normalize", [True, False])
+def test_maxsim_residual_matches_reference(ms, device, nbits, shape, normalize):
+    Nq, Lq, lens, d = shape
+    lengths = torch.tensor(lens)
+    codes, res, cent, bw = _codec(ms, int(lengths.sum()), d, 11, nbits, device, seed=Lq + d)
+    L = max(max(lens), 1)
+    pc, pr = _padded(codes, res, lengths, L)
+    Q = torch.randn(Nq, Lq, d, generator=torch.Generator().manual_seed(1)).to(device)
+    ref = ms.plaid.maxsim_residual_reference(Q, pc, pr, lengths.to(device), cent, bw, nbits, normalize=normalize)
+    out = ms.plaid.maxsim_residual(Q, pc, pr, lengths.to(device), cent, bw, nbits, normalize=normalize)
+    assert out.dtype == torch.float32 and out.shape == (Nq, len(lens))
+    assert relerr(out, ref, floor=1.0) < 2e-5
+    assert torch.all(out[:, lengths == 0] == 0)
+    cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(lengths, 0)
+    var = ms.plaid.maxsim_residual_varlen(Q, codes, res, cu.to(device), cent, bw, nbits, normalize=normalize)
+    assert relerr(var, ref, floor=1.0) < 2e-5
+    one = ms.plaid.maxsim_residual_varlen(Q[0], codes, res, cu.to(device), cent, bw, nbits, normalize=normalize)
+    assert one.shape == (len(lens),) and relerr(one, ref[0], floor=1.0) < 2e-5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("nbits", NBITS)
+def test_kernel_tokens_bitwise_equal_reference_decompression(ms, device, nbits):
+    """plaid_backward with a one-hot gradient returns the winners' tokens
+    (1 * token + 0 * others is exact): they must be the reference's bits."""
+    d, lens = 37, [0, 9, 130]
+    codes, res, cent, bw = _codec(ms, sum(lens), d, 7, nbits, device, seed=nbits)
+    st = torch.tensor([0, 0, 9], dtype=torch.int32, device=device)
+    ln = torch.tensor(lens, dtype=torch.int32, device=device)
+    ref = ms.plaid.decompress(codes, res, cent, bw, nbits)
+    for n in (1, 2):
+        Lq = lens[n]
+        q = torch.zeros(1, Lq, d, device=device)
+        am = torch.full((1, 3, Lq), -1, dtype=torch.int32, device=device)
+        am[0, n] = torch.arange(Lq, dtype=torch.int32, device=device)
+        grad = torch.zeros(1, 3, device=device)
+        grad[0, n] = 1.0
+        dq = ms.ops.plaid_backward(grad, q, codes, res, cent, bw, st, ln, am, nbits, False)
+        assert torch.equal(dq[0], ref[int(st[n]):int(st[n]) + Lq])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("nbits", [2, 8])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_maxsim_residual_gradient(ms, device, nbits, normalize):
+    lens = [5, 0, 17, 33]
+    d, Nq, Lq = 19, 2, 15
+    lengths = torch.tensor(lens)
+    codes, res, cent, bw = _codec(ms, sum(lens), d, 9, nbits, device, seed=3)
+    pc, pr = _padded(codes, res, lengths, max(lens))
+    Q = torch.randn(Nq, Lq, d, generator=torch.Generator().manual_seed(5)).to(device)
+    Qa = Q.clone().requires_grad_(True)
+    Qr = Q.double().clone().requires_grad_(True)
+    gout = torch.randn(Nq, len(lens), generator=torch.Generator().manual_seed(6)).to(device)
+    out = ms.plaid.maxsim_residual(Qa, pc, pr, lengths.to(device), cent, bw, nbits, normalize=normalize)
+    (out * gout).sum().backward()
+    ref = ms.plaid.maxsim_residual_reference(Qr, pc, pr, lengths.to(device), cent, bw, nbits, normalize=normalize)
+    (ref * gout.double()).sum().backward()
+    assert relerr(Qa.grad, Qr.grad) < 1e-5
+    # the flat layout, same gradient
+    Qv = Q.clone().requires_grad_(True)
+    cu = torch.tensor([0] + torch.cumsum(lengths, 0).tolist(), dtype=torch.int32, device=device)
+    (ms.plaid.maxsim_residual_varlen(Qv, codes, res, cu, cent, bw, nbits, normalize=normalize) * gout).sum().backward()
+    assert relerr(Qv.grad, Qr.grad) < 1e-5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("lq", [1, 17, 32, 33])
+def test_approx_scores_match_reference(ms, device, lq):
+    lens = [0, 1, 15, 40, 301]
+    C = 23
+    lengths = torch.tensor(lens)
+    codes, res, cent, bw = _codec(ms, sum(lens), 8, C, 2, device, seed=lq)
+    pc, _ = _padded(codes, res, lengths, max(lens))
+    qcs = torch.randn(2, C, lq, generator=torch.Generator().manual_seed(lq)).to(device)
+    ref = ms.plaid.approx_scores_reference(qcs, pc, lengths.to(device))
+    out = ms.plaid.approx_scores(qcs, pc, lengths.to(device))
+    assert out.shape == (2, len(lens)) and relerr(out, ref, floor=1.0) < 1e-6
+    assert torch.all(out[:, 0] == 0)
+    cu = torch.tensor([0] + torch.cumsum(lengths, 0).tolist(), dtype=torch.int32, device=device)
+    assert relerr(ms.plaid.approx_scores(qcs[1], codes, cu_seqlens=cu), ref[1], floor=1.0) < 1e-6
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_forward_pairs_and_argmax(ms, device):
+    """plaid_forward's pair layout (search re-scoring) and argmax against the
+    cross layout."""
+    lens = [4, 0, 21, 9]
+    d, nbits = 24, 4
+    codes, res, cent, bw = _codec(ms, sum(lens), d, 5, nbits, device, seed=11)
+    st = torch.tensor([0, 4, 4, 25], dtype=torch.int32, device=device)
+    ln = torch.tensor(lens, dtype=torch.int32, device=device)
+    q = torch.nn.functional.normalize(torch.randn(3, 7, d, generator=torch.Generator().manual_seed(2)), dim=-1).to(device)
+    cross, am = ms.ops.plaid_forward(q, codes, res, cent, bw, st, ln, None, nbits, True, True)
+    assert am.shape == (3, 4, 7) and torch.all(am[:, 1] == -1) and torch.all(am[:, 0] < 4) and torch.all(am >= -1)
+    pq = torch.tensor([2, 0, 1, 1, 2], dtype=torch.int32, device=device)
+    docs = torch.tensor([3, 1, 2, 0, 2], device=device)
+    pairs, pam = ms.ops.plaid_forward(q, codes, res, cent, bw, st[docs], ln[docs], pq, nbits, True, True)
+    assert torch.allclose(pairs, cross[pq.long(), docs], rtol=1e-6, atol=1e-6)
+    assert torch.equal(pam, am[pq.long(), docs])
+    # a document range outside the tokens scores NaN
+    bad, _ = ms.ops.plaid_forward(q, codes, res, cent, bw, st[:1] + 100, ln[:1], None, nbits, True, False)
+    assert torch.isnan(bad).all()
+
+
+def test_opcheck_fake_kernels(ms):
+    codes, res, cent, bw = _codec(ms, 30, 10, 6, 4, "cpu")
+    st = torch.tensor([0, 10, 10], dtype=torch.int32)
+    ln = torch.tensor([10, 0, 20], dtype=torch.int32)
+    q = torch.randn(2, 5, 10)
+    torch.library.opcheck(ms.ops.plaid_approx.default, (torch.randn(2, 6, 5), codes, st, ln))
+    torch.library.opcheck(ms.ops.plaid_forward.default, (q, codes, res, cent, bw, st, ln, None, 4, True, True))
+    _, am = ms.ops.plaid_forward(q, codes, res, cent, bw, st, ln, None, 4, True, True)
+    torch.library.opcheck(ms.ops.plaid_backward.default,
+                          (torch.randn(2, 3), q, codes, res, cent, bw, st, ln, am, 4, True))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_fullgraph(ms, device):
+    codes, res, cent, bw = _codec(ms, 40, 16, 6, 2, device)
+    cu = torch.tensor([0, 10, 10, 40], dtype=torch.int32, device=device)
+    Q = torch.randn(2, 5, 16, device=device)
+    f = torch.compile(lambda Q: ms.plaid.maxsim_residual_varlen(Q, codes, res, cu, cent, bw, 2), fullgraph=True)
+    assert torch.allclose(f(Q), ms.plaid.maxsim_residual_varlen(Q, codes, res, cu, cent, bw, 2), rtol=1e-6, atol=1e-6)
+
+
+def _clustered(T_docs, L, d, topics, gen, noise=0.3):
+    centers = torch.nn.functional.normalize(torch.randn(topics, d, generator=gen), dim=-1)
+    assign = torch.randint(0, topics, (T_docs, L), generator=gen)
+    x = centers[assign] + noise * torch.randn(T_docs, L, d, generator=gen) / d ** 0.5
+    return torch.nn.functional.normalize(x, dim=-1), centers
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_plaid_corpus_search_recall(ms, device):
+    g = torch.Generator().manual_seed(0)
+    N, L, d = 400, 24, 32
+    docs, centers = _clustered(N, L, d, 24, g)
+    lengths = torch.randint(1, L + 1, (N,), generator=g)
+    lengths[5] = 0
+    Q = torch.nn.functional.normalize(centers[torch.randint(0, 24, (6, 8), generator=g)]
+                                      + 0.2 * torch.randn(6, 8, d, generator=g), dim=-1)
+    exact = ms.Corpus(docs, lengths=lengths, device=device, storage="cpu" if device == "cpu" else "device")
+    _, ids_exact = ms.search(Q.to(device), exact, 10)
+    corpus = ms.Corpus(docs, lengths=lengths, device=device, storage="cpu" if device == "cpu" else "device",
+                       quantization="plaid", nbits=4, plaid={"num_centroids": 64})
+    assert corpus.quantization == "plaid" and corpus.plaid.bytes_per_token == 4 + 16
+    scores, ids = ms.search(Q.to(device), corpus, 10, candidates=100)
+    assert ids.shape == (6, 10) and scores.dtype == torch.float32
+    recall = sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(ids.cpu(), ids_exact.cpu())) / 60
+    assert recall >= 0.9, recall
+    # the scores returned are the exact scores of the decompressed tokens
+    tok = corpus.plaid.decompress()
+    st, ln = corpus.plaid.starts.long(), corpus.plaid.lengths.long()
+    for i in range(2):
+        for s, n in zip(scores[i].tolist()[:3], ids[i].tolist()[:3]):
+            D = torch.nn.functional.normalize(tok[st[n]:st[n] + ln[n]].double(), dim=-1)
+            ref = (Q[i].double().to(device) @ D.T).amax(1).sum().item()
+            assert abs(s - ref) < 1e-4
+    # sorted best first, ties to the lower id
+    assert torch.all(scores[:, 1:] <= scores[:, :-1])
+    # probing the inverted lists, and re-scoring on the originals
+    _, ids_p = ms.search(Q.to(device), corpus, 10, candidates=100, nprobe=8)
+    recall_p = sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(ids_p.cpu(), ids_exact.cpu())) / 60
+    assert recall_p >= 0.85, recall_p
+    keep = ms.Corpus(docs, lengths=lengths, device=device, storage="cpu" if device == "cpu" else "device",
+                     quantization="plaid", nbits=2, rescore="device", plaid={"num_centroids": 64})
+    s_o, ids_o = ms.search(Q.to(device), keep, 10, candidates=200)
+    s_e, _ = ms.search(Q.to(device), exact, 10)
+    assert (s_o - s_e).abs().max().item() < 1e-3  # exact scores of the originals (cosine)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_from_plaid_wraps_without_copy(ms, device):
+    codes, res, cent, bw = _codec(ms, 50, 16, 8, 2, device)
+    off = torch.tensor([0, 20, 20, 50], device=device)
+    corpus = ms.Corpus.from_plaid(codes, res, cent, bw, 2, off)
+    assert corpus.plaid.codes.data_ptr() == codes.data_ptr()
+    assert corpus.plaid.residuals.data_ptr() == res.data_ptr()
+    assert corpus.plaid.centroids.data_ptr() == cent.data_ptr()
+    assert len(corpus) == 3
+    Q = torch.randn(4, 16, device=device)
+    scores, ids = ms.search(Q, corpus, 3)
+    cu = off.to(torch.int32)
+    ref = ms.plaid.maxsim_residual_varlen(Q, codes, res, cu, cent, bw, 2)
+    assert torch.allclose(scores, ref[ids], rtol=1e-6, atol=1e-6)
+    assert sorted(ids.tolist()) == [0, 1, 2]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_capture(ms):
+    """The flat-layout scoring and a plaid search without nprobe make no host sync."""
+    from conftest import capture_cuda_graph
+
+    codes, res, cent, bw = _codec(ms, 300, 64, 16, 2, "cuda")
+    cu = torch.tensor([0, 100, 100, 300], dtype=torch.int32, device="cuda")
+    Q = torch.randn(2, 9, 64, device="cuda")
+    qcs = torch.randn(16, 9, device="cuda")
+    graph, (s, a) = capture_cuda_graph(lambda: (ms.plaid.maxsim_residual_varlen(Q, codes, res, cu, cent, bw, 2),
+                                                ms.plaid.approx_scores(qcs, codes, cu_seqlens=cu)))
+    Q.copy_(torch.randn_like(Q))
+    graph.replay()
+    assert torch.allclose(s, ms.plaid.maxsim_residual_varlen(Q, codes, res, cu, cent, bw, 2), rtol=1e-6, atol=1e-6)
+    corpus = ms.Corpus.from_plaid(codes, res, cent, bw, 2, cu)
+    graph, (sc, ids) = capture_cuda_graph(lambda: ms.search(Q, corpus, 2))
+    graph.replay()
+    ref_s, ref_ids = ms.search(Q, corpus, 2)
+    assert torch.equal(ids, ref_ids) and torch.allclose(sc, ref_s)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_arguments_raise(ms, device):
+    codes, res, cent, bw = _codec(ms, 20, 16, 4, 2, device)
+    cu = torch.tensor([0, 20], dtype=torch.int32, device=device)
+    Q = torch.randn(1, 3, 16, device=device)
+    with pytest.raises(ValueError, match="nbits"):
+        ms.plaid.maxsim_residual_varlen(Q, codes, res, cu, cent, bw, 3)
+    with pytest.raises(ValueError, match="bucket_weights"):
+        ms.plaid.maxsim_residual_varlen(Q, codes, res, cu, cent, bw, 4)  # 4 weights for 4 bits
+    with pytest.raises(RuntimeError, match="bytes per token"):
+        ms.plaid.maxsim_residual_varlen(Q, codes, res[:, :3], cu, cent, bw, 2)
+    st, ln = cu[:1], cu[1:]
+    with pytest.raises(RuntimeError, match="d >= 1"):
+        ms.ops.plaid_forward(Q[..., :0], codes, res[:, :0], cent[:, :0], bw, st, ln, None, 2, True, False)

@@ -1,0 +1,99 @@
+"""MaxSim straight from an encoder's hidden states through its projection head.
+
+:func:`maxsim_from_hidden` scores ``Q`` against ``D = H @ W.T + b``
+(optionally L2-normalised per token) without ever holding the projected
+documents of the whole batch: documents are projected a chunk at a time
+(about ``chunk_mib`` MiB of projected tokens) and scored by the compiled
+MaxSim kernels; in training every chunk is checkpointed, so the backward
+re-projects it instead of keeping it, and the memory stays one chunk's
+whatever the batch. Differentiable in ``Q``, ``H``, ``W`` and ``b``. This is
+the chunked composition (cuBLAS projection + the MaxSim kernels), not a
+single fused kernel.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from .checks import check_float
+from .scoring import maxsim
+
+Tensor = torch.Tensor
+
+__all__ = ["maxsim_from_hidden", "maxsim_from_hidden_reference"]
+
+
+def _project(H: Tensor, W: Tensor, b: Optional[Tensor], normalize: bool, dtype) -> Tensor:
+    D = F.linear(H, W, b)
+    if normalize:
+        D = D / D.float().norm(dim=-1, keepdim=True).clamp_min(1e-12).to(D.dtype)
+    return D.to(dtype)
+
+
+def _chunk_scores(Q, H, W, b, q_mask, d_mask, normalize):
+    return maxsim(Q, _project(H, W, b, normalize, Q.dtype), q_mask, d_mask)
+
+
+def maxsim_from_hidden(Q: Tensor, H: Tensor, W: Tensor, b: Optional[Tensor] = None,
+                       d_mask: Optional[Tensor] = None, *, q_mask: Optional[Tensor] = None,
+                       normalize: bool = True, chunk_mib: int = 256) -> Tensor:
+    """MaxSim of ``Q [Nq, Lq, d_out]`` (already projected; ``[Lq, d_out]``
+    for one query) against documents given as hidden states ``H [Nd, Ld,
+    d_model]`` and the head ``W [d_out, d_model]``, ``b [d_out]`` (the
+    ``torch.nn.Linear`` convention): the same as
+    ``maxsim(Q, F.normalize(F.linear(H, W, b), dim=-1), q_mask, d_mask)``
+    (without the normalisation when ``normalize=False``; ``Q`` is used as
+    given). The projected tokens take ``Q``'s dtype. Returns fp32 ``[Nq, Nd]``
+    (``[Nd]`` for a 2-D Q).
+    """
+    check_float("Q", Q)
+    check_float("H", H)
+    single = Q.dim() == 2
+    Q3 = Q[None] if single else Q
+    if Q3.dim() != 3 or H.dim() != 3:
+        raise ValueError(f"Q must be [Nq, Lq, d_out] and H [Nd, Ld, d_model]; got {tuple(Q.shape)}, {tuple(H.shape)}")
+    if W.dim() != 2 or W.shape != (Q3.shape[-1], H.shape[-1]):
+        raise ValueError(f"W must be [d_out={Q3.shape[-1]}, d_model={H.shape[-1]}], got {tuple(W.shape)}")
+    if b is not None and b.shape != (Q3.shape[-1],):
+        raise ValueError(f"b must be [d_out={Q3.shape[-1]}], got {tuple(b.shape)}")
+    if q_mask is not None and single:
+        q_mask = q_mask[None]
+    Nd, Ld, dm = H.shape
+    row_bytes = max(Ld * max(Q3.shape[-1], 1) * 4, 1)
+    per = max(1, (chunk_mib << 20) // row_bytes)
+    train = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (Q3, H, W, b))
+    parts = []
+    for n0 in range(0, max(Nd, 1), per):
+        n1 = min(Nd, n0 + per)
+        Hc = H[n0:n1]
+        mc = None if d_mask is None else d_mask[n0:n1]
+        if train and n1 - n0 < Nd:
+            parts.append(checkpoint(_chunk_scores, Q3, Hc, W, b, q_mask, mc, normalize, use_reentrant=False))
+        else:
+            parts.append(_chunk_scores(Q3, Hc, W, b, q_mask, mc, normalize))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    return out[0] if single else out
+
+
+def maxsim_from_hidden_reference(Q: Tensor, H: Tensor, W: Tensor, b: Optional[Tensor] = None,
+                                 d_mask: Optional[Tensor] = None, *, q_mask: Optional[Tensor] = None,
+                                 normalize: bool = True) -> Tensor:
+    """fp64 reference of :func:`maxsim_from_hidden` (differentiable)."""
+    single = Q.dim() == 2
+    q = (Q[None] if single else Q).double()
+    D = F.linear(H.double(), W.double(), None if b is None else b.double())
+    if normalize:
+        D = D / D.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    s = torch.einsum("isd,ntd->inst", q, D)
+    if d_mask is not None:
+        s = s.masked_fill(~d_mask[None, :, None, :], float("-inf"))
+    m = s.amax(-1)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    if q_mask is not None:
+        m = m * (q_mask if not single else q_mask[None])[:, None, :].double()
+    out = m.sum(-1)
+    return out[0] if single else out
