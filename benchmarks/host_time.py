@@ -262,7 +262,7 @@ def split_row(ms, name, kind, nq, nb, lq, ld, dim, device, dtype, normalize, n):
     q_start, q_len = ms.lowering.uniform_segments(nq, lq, Q.device)
     d_start, d_len = ms.lowering.uniform_segments(D[..., 0, 0].numel(), ld, Q.device)
     layout, Lq = (ms.reference.CROSS if kind == "shared" else ms.reference.GROUPED), lq
-    args = (Q, q_start, q_len, None, D, d_start, d_len, None, None, None, layout, Lq, 2, False, normalize)
+    args = (Q, q_start, q_len, None, D, d_start, d_len, None, None, None, layout, Lq, 2, 0, normalize)
 
     def step():
         Q.grad = D.grad = None

@@ -113,7 +113,7 @@ def _plaid_search(corpus, q, q_start, q_len, qm, Nq, Lq, single, k, oversample, 
 
         def originals(Q3, query_mask, ids, pair_q):
             s, _ = ops.forward(q.to(orig.dtype), q_start, q_len, qm, orig, ost.to(torch.int32),
-                               oln.to(torch.int32), omask, pair_q, ids.to(torch.int32), LIST, Lq, 0, False, True)
+                               oln.to(torch.int32), omask, pair_q, ids.to(torch.int32), LIST, Lq, 0, 0, True)
             return s
     if k_out and Nq:
         nc = candidates or max(oversample * k_out, 256)
