@@ -153,20 +153,6 @@ def normalize_table(path: Path) -> str:
     return "\n".join(out)
 
 
-def packed_table(path: Path) -> str:
-    m, rows = load(path)
-    by = {(r["workload"], r["case"], r["impl"]): r for r in rows}
-    out = [f"Packed pairs vs padded (**{provenance(m)}**): `score_pairs_packed` against the padded call on the "
-           "same tokens, ms eager / graph; ragged = lengths uniform in [1, Ld]:", "",
-           "| workload | case | padded | packed | tokens padded / packed |", "|---|---|---|---|---|"]
-    for (w, c, i), r in by.items():
-        k = by.get((w, c, "packed"))
-        if i == "padded" and k:
-            out.append(f"| {w} | {c} | {r['ms']:.4f} / {fmt(r.get('graph_ms'), 4)} | {k['ms']:.4f} / "
-                       f"{fmt(k.get('graph_ms'), 4)} | {r['tokens']} / {k['tokens']} |")
-    return "\n".join(out)
-
-
 def read_floor_table(path: Path) -> str:
     m, rows = load(path)
     out = [f"Read floor (**{provenance(m)}**): the fastest read-only kernel found over each row's document bytes "
@@ -217,7 +203,6 @@ def performance_section() -> str:
     for p in gpu_files():
         parts += [gpu_table(p), chart_links(p)]
     for suffix, table in (("-fp32.json", fp32_table), ("-normalize.json", normalize_table),
-                          ("-packed.json", packed_table),
                           ("-read-floor.json", read_floor_table), ("-distributed.json", distributed_table)):
         parts += [table(p) for p in sorted(RESULTS.glob(f"*{suffix}"))]
     if (RESULTS / "cpu.json").exists():
