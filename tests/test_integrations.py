@@ -568,3 +568,29 @@ def test_layer_kernelize(ms):
         for mode in (kernels.Mode.INFERENCE, kernels.Mode.TRAINING | kernels.Mode.TORCH_COMPILE):
             model = kernels.kernelize(Model(), mode=mode, device="cpu", use_fallback=False)
             assert torch.equal(model(Q, D), ms.maxsim(Q, D))
+
+
+def test_fp32_precision_follows_the_hosts_matmul_setting(ms, ip, ic, monkeypatch):
+    """fp32 scores run at the precision of the host's own fp32 einsum: exact
+    while torch keeps fp32 matmuls exact (the default), the split tensor-core
+    path once the user allows TF32 (then the host is the less exact one)."""
+    seen = []
+    real = ms.scoring.maxsim
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("precision"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ms.integrations.pylate, "maxsim", spy)
+    monkeypatch.setattr(ms.integrations.colpali, "maxsim", spy)
+    Q, D = rand(2, 5, 16, dtype=F32, device="cpu"), rand(3, 7, 16, dtype=F32, device="cpu")
+    previous = torch.get_float32_matmul_precision()
+    try:
+        for setting, expected in (("highest", "exact"), ("high", "default")):
+            torch.set_float32_matmul_precision(setting)
+            seen.clear()
+            ip.colbert_scores(Q, D)
+            ic.maxsim_inbatch(Q, D)
+            assert seen == [expected, expected], (setting, seen)
+    finally:
+        torch.set_float32_matmul_precision(previous)

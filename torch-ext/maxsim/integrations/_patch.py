@@ -8,8 +8,20 @@ import inspect
 import types
 from typing import Callable
 
+import torch
+
 # The one global a rerouted function's code reads in its own module.
 _ROUTES = "__maxsim_routes__"
+
+
+def host_precision() -> str:
+    """The ``precision=`` matching the host's own fp32 einsum: ``"exact"``
+    while torch keeps fp32 matmuls in full fp32 (its default, "highest"),
+    so rankings equal the host's; ``"default"`` (split 3xTF32 on the tensor
+    cores) once the user lets fp32 matmuls use TF32
+    (``torch.set_float32_matmul_precision("high")``), which makes the host's
+    einsum less exact than ours. Only fp32 inputs on CUDA are affected."""
+    return "exact" if torch.get_float32_matmul_precision() == "highest" else "default"
 
 
 def import_transformers() -> None:

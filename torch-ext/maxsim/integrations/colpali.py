@@ -20,19 +20,19 @@ from typing import List, Optional, Union
 import torch
 
 from ..scoring import maxsim
-from ._patch import Patcher, host_errors, import_transformers
+from ._patch import Patcher, host_errors, host_precision, import_transformers
 
 
 @host_errors
 def maxsim_inbatch(query: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
     """``[B_q, L_q, d] x [B_d, L_d, d] -> [B_q, B_d]`` (einsum dtype, as colpali)."""
-    return maxsim(query, doc).to(torch.promote_types(query.dtype, doc.dtype))
+    return maxsim(query, doc, precision=host_precision()).to(torch.promote_types(query.dtype, doc.dtype))
 
 
 @host_errors
 def maxsim_kd(query: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
     """``[B, L_q, d] x [B, N, L_d, d] -> [B, N]`` (each query's own candidates)."""
-    return maxsim(query, doc).to(torch.promote_types(query.dtype, doc.dtype))
+    return maxsim(query, doc, precision=host_precision()).to(torch.promote_types(query.dtype, doc.dtype))
 
 
 def _auto_device() -> str:

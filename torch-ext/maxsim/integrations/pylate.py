@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..scoring import maxsim
-from ._patch import Patcher, host_errors, import_transformers
+from ._patch import Patcher, host_errors, host_precision, import_transformers
 
 
 def _tensor(x) -> torch.Tensor:
@@ -71,7 +71,7 @@ def _out_dtype(*ts) -> torch.dtype:
 def _score(Q, D, queries_mask, documents_mask, pad_q=None, pad_d=None):
     queries_mask = None if queries_mask is None else _tensor(queries_mask)
     documents_mask = None if documents_mask is None else _tensor(documents_mask)
-    out = maxsim(_masked(Q, queries_mask), _masked(D, documents_mask), pad_q, pad_d)
+    out = maxsim(_masked(Q, queries_mask), _masked(D, documents_mask), pad_q, pad_d, precision=host_precision())
     return out.to(_out_dtype(Q, D, queries_mask, documents_mask))
 
 
@@ -110,7 +110,7 @@ def colbert_scores_pairwise(queries_embeddings, documents_embeddings, backend=No
     else:
         D, pad_d = _ragged(documents_embeddings)
     pad_d = None if pad_d is None else pad_d.unsqueeze(1)
-    return maxsim(Q, D.unsqueeze(1), pad_q, pad_d)[:, 0].to(_out_dtype(Q, D))
+    return maxsim(Q, D.unsqueeze(1), pad_q, pad_d, precision=host_precision())[:, 0].to(_out_dtype(Q, D))
 
 
 class ColBERTScores:
