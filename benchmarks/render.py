@@ -46,6 +46,28 @@ def gpu_files() -> list[Path]:
     return [p for p in sorted(RESULTS.glob("nvidia-*.json")) if not p.name.endswith(SPECIAL)]
 
 
+def impl_rows(by: dict, workloads: list, impls: list, cell) -> list[str]:
+    """The forward then the training rows of a table, one column per
+    implementation: ``cell(row, key, graph_key)`` formats a measured cell."""
+    out = []
+    for kind, key, graph in (("fwd", "ms", "graph_ms"), ("fwd+bwd", "fwd_bwd_ms", "fwd_bwd_graph_ms")):
+        for w in workloads:
+            if key not in by.get((w, "maxsim"), {}):
+                continue
+            cells = []
+            for impl in impls:
+                r = by.get((w, impl))
+                if r is None:
+                    cells.append("")
+                elif r.get(key) is None:
+                    cells.append(r.get("error", "fails"))
+                else:
+                    cells.append(cell(r, key, graph))
+            floor = by[(w, "maxsim")].get("floor_ms") if kind == "fwd" else None
+            out.append(f"| {w} | {kind} | {fmt(floor)} | " + " | ".join(cells) + " |")
+    return out
+
+
 def gpu_table(path: Path) -> str:
     """One table per GPU: forward and training rows, the peers side by side."""
     m, rows = load(path)
@@ -54,21 +76,7 @@ def gpu_table(path: Path) -> str:
     out = [f"**{provenance(m)}**" + (f"; measured copy {float(m['copy_tb_s']):.2f} TB/s, bf16 matmul "
                                      f"{float(m['matmul_tflop_s']):.0f} TFLOP/s" if "copy_tb_s" in m else "") + ".",
            "", "| workload | pass | floor | " + " | ".join(IMPLS) + " |", "|---|---|---|" + "---|" * len(IMPLS)]
-    for kind, key, graph in (("fwd", "ms", "graph_ms"), ("fwd+bwd", "fwd_bwd_ms", "fwd_bwd_graph_ms")):
-        for w in workloads:
-            if key not in by.get((w, "maxsim"), {}):
-                continue
-            cells = []
-            for impl in IMPLS:
-                r = by.get((w, impl))
-                if r is None:
-                    cells.append("")
-                elif r.get(key) is None:
-                    cells.append(r.get("error", "fails"))
-                else:
-                    cells.append(f"{fmt(r[key])} / {fmt(r.get(graph))}")
-            floor = by[(w, "maxsim")].get("floor_ms") if kind == "fwd" else None
-            out.append(f"| {w} | {kind} | {fmt(floor)} | " + " | ".join(cells) + " |")
+    out += impl_rows(by, workloads, IMPLS, lambda r, key, graph: f"{fmt(r[key])} / {fmt(r.get(graph))}")
     cold = [r for r in rows if "first_call_ms" in r]
     if cold:
         out += ["", f"First use in a fresh process ({cold[0]['workload']}; load = import or "
@@ -91,23 +99,11 @@ def fp32_table(path: Path) -> str:
     out = [f"fp32 tokens, **{provenance(m)}**; cells: graph ms (relative error vs fp64); the floor counts "
            "4-byte tokens.", "", "| workload | pass | floor | " + " | ".join(FP32_IMPLS) + " |",
            "|---|---|---|" + "---|" * len(FP32_IMPLS)]
-    for kind, key, graph in (("fwd", "ms", "graph_ms"), ("fwd+bwd", "fwd_bwd_ms", "fwd_bwd_graph_ms")):
-        for w in workloads:
-            if key not in by.get((w, "maxsim"), {}):
-                continue
-            cells = []
-            for impl in FP32_IMPLS:
-                r = by.get((w, impl))
-                if r is None:
-                    cells.append("")
-                elif r.get(key) is None:
-                    cells.append(r.get("error", "fails"))
-                else:
-                    t = r.get(graph) if r.get(graph) is not None else r[key]
-                    err = "" if r.get("relerr") is None else f" ({r['relerr']:.1e})"
-                    cells.append(f"{fmt(t)}{err}")
-            floor = by[(w, "maxsim")].get("floor_ms") if kind == "fwd" else None
-            out.append(f"| {w} | {kind} | {fmt(floor)} | " + " | ".join(cells) + " |")
+    def cell(r, key, graph):
+        t = r.get(graph) if r.get(graph) is not None else r[key]
+        return fmt(t) + ("" if r.get("relerr") is None else f" ({r['relerr']:.1e})")
+
+    out += impl_rows(by, workloads, FP32_IMPLS, cell)
     return "\n".join(out)
 
 
