@@ -84,8 +84,8 @@ globals().update({{k: v for k, v in vars(_mod).items() if not k.startswith("__")
 
 # Flags every CUDA build gets, here and in build.toml's cuda-flags (the
 # kernel-builder release build): device code (SASS) compressed in the fatbin,
-# ~4x smaller, decompressed by the driver when a module is first loaded. The
-# library was ~45 MB for sm_90a with -lineinfo and uncompressed SASS.
+# several times smaller, decompressed by the driver when a module is first
+# loaded.
 RELEASE_CUDA_FLAGS = ["-Xfatbin=-compress-all"]
 
 
