@@ -118,7 +118,7 @@ def test_candidates_with_lengths(ms, device, dtype):
 @pytest.mark.parametrize("dtype", SHORT_DTYPES, ids=["fp16", "bf16"])
 def test_nan_ties_and_invalid(ms, device, dtype):
     """A NaN token makes its document's scores NaN (unless masked); equal
-    maxima pick the lowest index; an invalid offset makes its pairs NaN."""
+    maxima pick the lowest index; an invalid length makes its pair NaN."""
     g = torch.Generator().manual_seed(3)
     nq, lq, nd, ld, dim = 6, 32, 300, 8, 128
     Q = rand(nq, lq, dim, dtype=dtype, device=device, gen=g)
@@ -142,10 +142,13 @@ def test_nan_ties_and_invalid(ms, device, dtype):
     assert torch.all(am.cpu()[:, 99] == 0)
     a98 = am.cpu()[:, 98]
     assert torch.all(a98 <= 4), a98  # never a later tie (5, 6, 7)
-    bad = torch.tensor([0, 8, 16, 12, 24], device=device)  # document 2 runs backwards
+    dlen = torch.full((nq, 50), ld, device=device)
+    dlen[1, 7] = -1  # an invalid length: that pair only is NaN
     with _packed_on(ms, device):
-        s3 = ms.score_contrastive(Q, docs[:24].contiguous(), bad).cpu()
-    assert torch.isnan(s3[:, 2]).all() and not torch.isnan(s3[:, [0, 1, 3]]).any()
+        s3 = ms.score_candidates_padded(Q, D[:nq * 50].reshape(nq, 50, ld, dim), None, dlen).cpu()
+    nan = torch.zeros(nq, 50, dtype=torch.bool)
+    nan[1, 7] = nan[0, 17] = nan[0, 40] = True  # and query 0's candidates 17 and 40 hold NaN tokens
+    assert torch.equal(torch.isnan(s3), nan)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")

@@ -45,7 +45,7 @@ __global__ void __launch_bounds__(kPackedThreads, 2) packed_fwd_kernel(FwdParams
   constexpr int RB = KS * 32;     // row bytes
   constexpr int UPR = RB / 16;    // 16-byte units per row
   constexpr int RSTEP = NTH / UPR;
-  constexpr int SST = BN + 1;     // score-tile row stride (floats): row-per-thread reads hit distinct banks
+  constexpr int SST = plan::kPackedSst;
   constexpr int MT = 2, NT = BN / 8;  // per warp: 32 rows x 64 columns
   static_assert(NTH == BM && BN <= NTH && BN % RSTEP == 0 && BM % RSTEP == 0, "packed tile shape");
   pdl_wait();
