@@ -114,12 +114,14 @@ def candidates_impls(ms, pe):
 
 
 def workloads():
-    for nq, nd, ld in SHARED:
-        yield f"{nq}x{nd} Ld{ld}", nq, nd, ld, (lambda a=(nq, nd, ld): shared_case(*a)), "shared"
-    for nq, nd in PACKED:
-        yield f"packed {nd} docs 4-48 Nq{nq}", nq, nd, "4-48", (lambda a=(nq, nd): packed_case(*a)), "packed"
+    """Several queries first, then per-query candidates, then one query."""
     b, k, ld = CANDIDATES
-    yield f"candidates B{b} K{k} Ld{ld} lengths", b, k, ld, (lambda: candidates_case(b, k, ld)), "candidates"
+    rows = [(f"{nq}x{nd} Ld{ld}", nq, nd, ld, (lambda a=(nq, nd, ld): shared_case(*a)), "shared")
+            for nq, nd, ld in SHARED]
+    rows += [(f"packed {nd} docs 4-48 Nq{nq}", nq, nd, "4-48", (lambda a=(nq, nd): packed_case(*a)), "packed")
+             for nq, nd in PACKED]
+    rows.append((f"candidates B{b} K{k} Ld{ld} lengths", b, k, ld, lambda: candidates_case(b, k, ld), "candidates"))
+    return sorted(rows, key=lambda r: (r[1] == 1, r[5] == "candidates"))
 
 
 def time_impl(fn, args, ref, check_cols):
