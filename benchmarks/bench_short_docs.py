@@ -4,9 +4,11 @@ flash-maxsim on the same inputs in one process (bf16, Lq 32, d 128).
 Rows: shared padded documents (``maxsim.maxsim(Q, D)``; lik ``maxsim``,
 flash-maxsim ``flash_maxsim_batched``), packed ragged documents of 4-48
 tokens (``score_contrastive``; lik ``maxsim_varlen``, flash-maxsim
-``flash_maxsim_packed`` for one query) and per-query candidates with
+``flash_maxsim_packed`` for one query), per-query candidates with
 document lengths (``score_candidates_padded``; lik ``maxsim`` with a
-document mask). Where the planner does not pick the packed short-document
+document mask), and training steps (forward with argmax + backward) over
+short documents beside a long-document step (rows ``"pass": "fwd+bwd"``,
+floor = the forward's FLOPs at the matmul rate). Where the planner does not pick the packed short-document
 kernel, ``maxsim-packed`` times it forced (``maxsim.forcing("packed")``).
 Every output is checked against an fp64 reference on its first documents
 before it is timed. Timing and the floors (bytes / measured copy bandwidth,
@@ -37,6 +39,9 @@ SHARED = [(1, 200000, 8), (1, 200000, 16), (1, 100000, 32), (1, 50000, 64), (32,
           (32, 50000, 32), (32, 25000, 64), (32, 12500, 128), (128, 20000, 16)]
 PACKED = [(1, 100000), (32, 100000)]  # (Nq, Nd) of packed documents of 4-48 tokens
 CANDIDATES = (64, 1000, 24)  # B, K, Ld (lengths 1..Ld)
+# Training steps (forward with argmax + backward) of Nq queries x Nd shared
+# documents: short documents against a long-document step, per FLOP.
+TRAIN = [(256, 256, 16), (256, 256, 32), (256, 256, 48), (256, 256, 300)]
 
 
 def unit(*shape, g):
@@ -124,6 +129,41 @@ def workloads():
     return sorted(rows, key=lambda r: (r[1] == 1, r[5] == "candidates"))
 
 
+def run_train(ms, pe, flops, only):
+    """fwd+bwd rows: ms / graph_ms of a step, floor_ms = the forward's FLOPs
+    at the matmul rate (the backward adds gathers, not FLOPs)."""
+    rows = []
+    for nq, nd, ld in TRAIN:
+        name = f"train {nq}x{nd} Ld{ld}"
+        if only and name not in only:
+            continue
+        g = torch.Generator(device="cuda").manual_seed(ld)
+        Q0, D0 = unit(nq, LQ, DIM, g=g), unit(nd, ld, DIM, g=g)
+        gs = torch.randn(nq, nd, device="cuda", generator=g)
+        fl = 2 * nq * nd * LQ * ld * DIM / flops * 1e3
+        impls = {"maxsim": lambda Q, D: ms.maxsim(Q, D)}
+        if "lik" in pe:
+            impls["lik"] = lambda Q, D: pe["lik"].maxsim(Q, D)
+        for impl, fn in impls.items():
+            Q, D = Q0.clone().requires_grad_(), D0.clone().requires_grad_()
+
+            def step():
+                Q.grad = D.grad = None
+                fn(Q, D).backward(gs)
+
+            try:
+                t, tg = eager_ms(step, rounds=3), graph_ms(step, calls=5)
+            except Exception as e:  # noqa: BLE001
+                print(f"{name:<34} {impl:<14} failed: {type(e).__name__}: {str(e)[:100]}")
+                continue
+            fam = ms.explain(Q, D)["family"] if impl == "maxsim" else ""
+            gss = "-" if tg is None else f"{tg:.4f}"
+            print(f"{name:<34} {impl:<14} {t:8.4f} {gss:>9} {fl:7.4f} {'':>9}  {fam}", flush=True)
+            rows.append({"workload": name, "nq": nq, "nd": nd, "ld": ld, "impl": impl, "pass": "fwd+bwd", "ms": t,
+                         "graph_ms": tg, "floor_ms": fl, "family": fam or None})
+    return rows
+
+
 def time_impl(fn, args, ref, check_cols):
     out = fn(*args)
     torch.cuda.synchronize()
@@ -146,6 +186,12 @@ def main():
     bw, flops = ceilings()
     print(f"{gpu}, torch {torch.__version__}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s")
     print(f"{'workload':<34} {'impl':<14} {'ms':>8} {'graph ms':>9} {'floor':>7} {'relerr':>9}  plan")
+    out = args.out or str(Path(__file__).resolve().parent.parent / "bench_results"
+                          / f"{gpu.lower().replace(' ', '-')}-short-docs.json")
+
+    def save(rows):  # after each workload, so that a run cut short keeps what it measured
+        write_results(rows, out, "", copy_tb_s=bw / 1e12, matmul_tflop_s=flops / 1e12, dtype="bf16", lq=LQ, dim=DIM)
+
     rows = []
     for name, nq, nd, ld, make, kind in workloads():
         if only and name not in only:
@@ -181,9 +227,9 @@ def main():
                              relerr=err, family=fam or None))
         del inputs, ref
         torch.cuda.empty_cache()
-        write_results(rows, args.out or str(Path(__file__).resolve().parent.parent / "bench_results"
-                                            / f"{gpu.lower().replace(' ', '-')}-short-docs.json"),
-                      "", copy_tb_s=bw / 1e12, matmul_tflop_s=flops / 1e12, dtype="bf16", lq=LQ, dim=DIM)
+        save(rows)
+    rows += run_train(ms, pe, flops, only)
+    save(rows)
 
 
 if __name__ == "__main__":
