@@ -9,7 +9,8 @@ document lengths (``score_candidates_padded``; lik ``maxsim`` with a
 document mask), and training steps (forward with argmax + backward) over
 short documents beside a long-document step (rows ``"pass": "fwd+bwd"``,
 floor = the forward's FLOPs at the matmul rate). Where the planner does not pick the packed short-document
-kernel, ``maxsim-packed`` times it forced (``maxsim.forcing("packed")``).
+kernel, ``maxsim-packed`` times it forced (``maxsim.forcing("packed")``);
+where it picks it for one query, ``maxsim-stream`` times the register stream.
 Every output is checked against an fp64 reference on its first documents
 before it is timed. Timing and the floors (bytes / measured copy bandwidth,
 FLOPs / measured bf16 matmul rate) are bench_gpu.py's. Writes
@@ -23,6 +24,7 @@ floor_ms, relerr}]}`` to ``--out`` (default
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -201,15 +203,15 @@ def main():
         impls = {"shared": lambda: shared_impls(ms, pe), "packed": lambda: packed_impls(ms, pe, nq),
                  "candidates": lambda: candidates_impls(ms, pe)}[kind]()
         # explain() plans padded tensors; the packed rows follow the same rule (several queries: packed).
-        plan = ms.explain(inputs[0], inputs[1]) if kind != "packed" else {"family": "packed" if nq > 1 else ""}
-        if plan.get("family") != "packed":
-            impls["maxsim-packed"] = impls["maxsim"]
+        plan = ms.explain(inputs[0], inputs[1]) if kind != "packed" else {"family": "packed" if nq > 1 else "stream"}
+        # The packed kernel forced where the planner takes another family, and
+        # for one query the register stream beside it.
+        forced = {"maxsim-packed": "packed"} if plan.get("family") != "packed" else \
+            {"maxsim-stream": "stream"} if nq == 1 else {}
+        impls.update({name_: impls["maxsim"] for name_ in forced})
         for impl, fn in impls.items():
             try:
-                if impl == "maxsim-packed":
-                    with ms.forcing("packed"):
-                        t, tg, err = time_impl(fn, inputs, ref, ref.shape[1])
-                else:
+                with ms.forcing(forced[impl]) if impl in forced else contextlib.nullcontext():
                     t, tg, err = time_impl(fn, inputs, ref, ref.shape[1])
             except Exception as e:  # noqa: BLE001
                 print(f"{name:<34} {impl:<14} failed: {type(e).__name__}: {str(e)[:100]}")

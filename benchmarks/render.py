@@ -107,13 +107,13 @@ def fp32_table(path: Path) -> str:
     return "\n".join(out)
 
 
-SHORT_IMPLS = ["maxsim", "maxsim-packed", "lik", "flash-maxsim"]
+SHORT_IMPLS = ["maxsim", "maxsim-packed", "maxsim-stream", "lik", "flash-maxsim"]
 
 
 def short_docs_table(path: Path) -> str:
     """Many short documents (bench_short_docs.py): ms eager / graph per
-    implementation; maxsim-packed is the packed kernel forced where the
-    planner takes another family."""
+    implementation; maxsim-packed / maxsim-stream: that family forced where
+    the planner takes another."""
     m, rows = load(path)
     by = {(r["workload"], r["impl"]): r for r in rows}
     out = [f"Many short documents (**{provenance(m)}**; bf16, Lq {m['lq']}, d {m['dim']}), ms eager / graph; "

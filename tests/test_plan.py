@@ -211,9 +211,15 @@ def test_packed_rules(ms, arch, sms):
     assert (p["family"], p["rows"], p["qpt"], p["ks"]) == ("packed", 32, 4, 4), p
     assert plan(ms, CROSS, 200, 5000, 1, 8, arch=arch, sms=sms)["rows"] == 1
     assert plan(ms, CROSS, 8, 5000, 5, 8, arch=arch, sms=sms)["rows"] == 8
-    # Not by the rule: one query (the streams), few or longer documents,
-    # queries past 32 rows, fp32, normalize, odd widths, per-query candidates.
-    assert plan(ms, CROSS, 1, 200000, 32, 8, arch=arch, sms=sms)["family"] in ("stream", "stream_wg")
+    # One query: very many documents of <= 16 tokens (the streams reload the
+    # query per document), else the streams.
+    p = plan(ms, CROSS, 1, 200000, 32, 8, arch=arch, sms=sms)
+    assert (p["family"], p["qpt"], p["items"]) == ("packed", 4, p["cpg"]), p
+    assert plan(ms, CROSS, 1, 200000, 32, 16, arch=arch, sms=sms)["family"] == "packed"
+    assert plan(ms, CROSS, 1, 100000, 32, 32, arch=arch, sms=sms)["family"] in ("stream", "stream_wg")
+    assert plan(ms, CROSS, 1, 4000, 32, 8, arch=arch, sms=sms)["family"] in ("stream", "stream_wg")
+    # Not by the rule: few or longer documents, queries past 32 rows, fp32,
+    # normalize, odd widths, per-query candidates.
     assert plan(ms, CROSS, 32, 12500, 32, 128, arch=arch, sms=sms)["family"] != "packed"
     assert plan(ms, CROSS, 32, 32, 32, 16, arch=arch, sms=sms)["family"] != "packed"
     assert plan(ms, CROSS, 32, 5000, 33, 8, arch=arch, sms=sms)["family"] != "packed"

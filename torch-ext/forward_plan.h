@@ -12,8 +12,9 @@
 // Families, in the order they are tried:
 //   * kPacked (sm_80+, fp16 / bf16 rows of 128 / 256 bytes, lq <= 32): many
 //     short documents (mean <= kPackedMaxMeanLd tokens) shared by several
-//     queries, or per-query candidates: documents packed side by side into
-//     one tensor-core tile, reduced per document in the epilogue;
+//     queries (or one query and <= 16 tokens; per-query candidates when
+//     forced): documents packed side by side into one tensor-core tile,
+//     reduced per document in the epilogue;
 //   * kStreamWg (sm_90a, fp16 / bf16 rows of 128 / 256 bytes): the staged
 //     wgmma stream, one query (or per-query candidates, pair lists) against
 //     documents of >= 64 tokens; also queries of 33-128 rows;
@@ -468,11 +469,13 @@ inline bool packed_ok(const Request& r, const DeviceFacts& dev, bool scaled) {
          r.Nd <= std::numeric_limits<int32_t>::max() && r.Td < ((int64_t)1 << 31);
 }
 
-// Where it wins: several queries sharing many short documents. Per query
-// pair the other families pay a tile (or a warp) per document; here a
+// Where it wins: several queries sharing many short documents, or one
+// query over very many documents of <= 16 tokens. Per (query, document)
+// pair the other families pay a tile (or a warp and a query load); here a
 // document costs its own columns.
 inline bool packed_wins(const Request& r, int64_t mean_ld) {
-  return r.layout == kCross && r.Nq >= 2 && mean_ld <= kPackedMaxMeanLd && r.Nd >= 64;
+  if (r.layout != kCross || mean_ld > kPackedMaxMeanLd) return false;
+  return r.Nq >= 2 ? r.Nd >= 64 : mean_ld <= 16 && r.Nd >= 4096;
 }
 
 // Documents per CTA and the grid: about two waves (at least kPackedMaxDocs
