@@ -9,8 +9,7 @@ document lengths (``score_candidates_padded``; lik ``maxsim`` with a
 document mask), and training steps (forward with argmax + backward) over
 short documents beside a long-document step (rows ``"pass": "fwd+bwd"``,
 floor = the forward's FLOPs at the matmul rate). Where the planner does not pick the packed short-document
-kernel, ``maxsim-packed`` times it forced (``maxsim.forcing("packed")``);
-where it picks it for one query, ``maxsim-stream`` times the register stream.
+kernel, ``maxsim-packed`` times it forced (``maxsim.forcing("packed")``).
 Every output is checked against an fp64 reference on its first documents
 before it is timed. Timing and the floors (bytes / measured copy bandwidth,
 FLOPs / measured bf16 matmul rate) are bench_gpu.py's. Writes
@@ -204,10 +203,8 @@ def main():
                  "candidates": lambda: candidates_impls(ms, pe)}[kind]()
         # explain() plans padded tensors; the packed rows follow the same rule (several queries: packed).
         plan = ms.explain(inputs[0], inputs[1]) if kind != "packed" else {"family": "packed" if nq > 1 else "stream"}
-        # The packed kernel forced where the planner takes another family, and
-        # for one query the register stream beside it.
-        forced = {"maxsim-packed": "packed"} if plan.get("family") != "packed" else \
-            {"maxsim-stream": "stream"} if nq == 1 else {}
+        # The packed kernel forced where the planner takes another family.
+        forced = {"maxsim-packed": "packed"} if plan.get("family") != "packed" else {}
         impls.update({name_: impls["maxsim"] for name_ in forced})
         for impl, fn in impls.items():
             try:

@@ -192,7 +192,7 @@ def test_tile_kernel_rules(ms):
 
 
 # The short-document rows of benchmarks/bench_short_docs.py: (Nq, Nd, Ld).
-SHORT_SHARED = [(32, 50000, 8), (32, 50000, 16), (32, 50000, 32), (32, 25000, 64), (128, 20000, 16)]
+SHORT_SHARED = [(32, 50000, 8), (32, 50000, 16), (32, 50000, 32), (128, 20000, 16)]
 
 
 @pytest.mark.parametrize("arch,sms", [(90, 132), (80, 108)], ids=["sm90a-132", "sm80-108"])
@@ -211,15 +211,11 @@ def test_packed_rules(ms, arch, sms):
     assert (p["family"], p["rows"], p["qpt"], p["ks"]) == ("packed", 32, 4, 4), p
     assert plan(ms, CROSS, 200, 5000, 1, 8, arch=arch, sms=sms)["rows"] == 1
     assert plan(ms, CROSS, 8, 5000, 5, 8, arch=arch, sms=sms)["rows"] == 8
-    # One query: very many documents of <= 16 tokens (the streams reload the
-    # query per document), else the streams.
-    p = plan(ms, CROSS, 1, 200000, 32, 8, arch=arch, sms=sms)
-    assert (p["family"], p["qpt"], p["items"]) == ("packed", 4, p["cpg"]), p
-    assert plan(ms, CROSS, 1, 200000, 32, 16, arch=arch, sms=sms)["family"] == "packed"
-    assert plan(ms, CROSS, 1, 100000, 32, 32, arch=arch, sms=sms)["family"] in ("stream", "stream_wg")
-    assert plan(ms, CROSS, 1, 4000, 32, 8, arch=arch, sms=sms)["family"] in ("stream", "stream_wg")
-    # Not by the rule: few or longer documents, queries past 32 rows, fp32,
-    # normalize, odd widths, per-query candidates.
+    # Not by the rule: one query (the streams), few or longer documents,
+    # queries past 32 rows, fp32, normalize, odd widths, per-query candidates.
+    for ld in (8, 16, 32):
+        assert plan(ms, CROSS, 1, 200000, 32, ld, arch=arch, sms=sms)["family"] in ("stream", "stream_wg")
+    assert plan(ms, CROSS, 32, 25000, 32, 64, arch=arch, sms=sms)["family"] != "packed"
     assert plan(ms, CROSS, 32, 12500, 32, 128, arch=arch, sms=sms)["family"] != "packed"
     assert plan(ms, CROSS, 32, 32, 32, 16, arch=arch, sms=sms)["family"] != "packed"
     assert plan(ms, CROSS, 32, 5000, 33, 8, arch=arch, sms=sms)["family"] != "packed"
@@ -230,6 +226,8 @@ def test_packed_rules(ms, arch, sms):
     assert plan(ms, GROUPED, 64, 64000, 32, 24, arch=arch, sms=sms)["family"] != "packed"
     # Forced: per-query candidates (one query per tile, CTAs within its K
     # documents) and longer documents; never where it cannot read the rows.
+    p = plan(ms, CROSS, 1, 200000, 32, 8, arch=arch, sms=sms, force="packed")
+    assert (p["family"], p["qpt"], p["items"]) == ("packed", 4, p["cpg"]), p
     p = plan(ms, GROUPED, 64, 64000, 32, 24, arch=arch, sms=sms, force="packed")
     assert (p["family"], p["qpt"]) == ("packed", 1) and p["items"] == 64 * p["cpg"], p
     assert p["cpg"] * p["dpc"] >= 1000 > (p["cpg"] - 1) * p["dpc"], p

@@ -42,7 +42,7 @@ def _check_argmax_cross(Q, Dp, dmask, qlen, am):
 def test_shared_short_documents(ms, device, dtype, ld):
     """Several queries x many padded documents with prefix lengths (0
     included) and holes: the planner's own path (packed on CUDA for
-    ld <= 64), then forced packed for every length."""
+    ld <= 32), then forced packed for every length."""
     dim = 64 if ld in (3, 17, 65) else 128
     g = torch.Generator().manual_seed(ld)
     nq, lq, nd = 9, 17, 701  # 17 rows -> 32-row slots, 4 per tile: a part-filled second M tile
@@ -55,7 +55,7 @@ def test_shared_short_documents(ms, device, dtype, ld):
     qm[:, 0] = True
     qm, dm = qm.to(device), dm.to(device)
     ref = ms.maxsim_reference(Q, D, qm, dm)
-    if device == "cuda" and ld <= 64:
+    if device == "cuda" and ld <= 32:
         assert ms.explain(Q, D)["family"] == "packed"
     assert_close(ms.maxsim(Q, D, qm, dm), ref, dtype)
     with _packed_on(ms, device):
@@ -168,13 +168,14 @@ def test_packed_under_cuda_graph(ms):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
 def test_packed_many_documents_per_cta(ms):
-    """Enough documents that CTAs take the table's maximum (512) and the last
-    CTA a partial one; poisoned outputs are all overwritten."""
+    """Enough documents that each CTA's document table spans every thread's
+    entries (hundreds of documents) and the last CTA a partial one."""
     g = torch.Generator().manual_seed(12)
     Q = rand(300, 1, 64, dtype=torch.float16, device="cuda", gen=g)  # one-row queries: 128 per tile
     D = rand(90001, 2, 64, dtype=torch.float16, device="cuda", gen=g)
     p = ms.explain(Q, D)
-    assert p["family"] == "packed" and p["dpc"] == 512 and p["rows"] == 1, p
+    assert p["family"] == "packed" and p["dpc"] > 256 and p["rows"] == 1, p
+    assert p["dpc"] * p["cpg"] > 90001 > p["dpc"] * (p["cpg"] - 1), p
     ref = ms.maxsim_reference(Q, D)
     out = ms.maxsim(Q, D)
     assert not torch.isnan(out).any()

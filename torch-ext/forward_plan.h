@@ -12,9 +12,8 @@
 // Families, in the order they are tried:
 //   * kPacked (sm_80+, fp16 / bf16 rows of 128 / 256 bytes, lq <= 32): many
 //     short documents (mean <= kPackedMaxMeanLd tokens) shared by several
-//     queries (or one query and <= 16 tokens; per-query candidates when
-//     forced): documents packed side by side into one tensor-core tile,
-//     reduced per document in the epilogue;
+//     queries (per-query candidates when forced): documents packed side by
+//     side into one tensor-core tile, reduced per document in the epilogue;
 //   * kStreamWg (sm_90a, fp16 / bf16 rows of 128 / 256 bytes): the staged
 //     wgmma stream, one query (or per-query candidates, pair lists) against
 //     documents of >= 64 tokens; also queries of 33-128 rows;
@@ -145,7 +144,7 @@ constexpr int kPackedStages = 4;
 // distinct banks; 67 keeps the fragment stores at 2-way conflicts.
 constexpr int kPackedSst = kPackedBN + 3;
 constexpr int kPackedMaxDocs = 512;    // documents per CTA, at most
-constexpr int64_t kPackedMaxMeanLd = 64;  // the rule's document length, at most
+constexpr int64_t kPackedMaxMeanLd = 32;  // the rule's mean document length, at most
 constexpr int64_t packed_smem(int ks) {
   return (int64_t)kPackedStages * kPackedBN * ks * 32 + (int64_t)kPackedBM * kPackedSst * 4;
 }
@@ -469,13 +468,14 @@ inline bool packed_ok(const Request& r, const DeviceFacts& dev, bool scaled) {
          r.Nd <= std::numeric_limits<int32_t>::max() && r.Td < ((int64_t)1 << 31);
 }
 
-// Where it wins: several queries sharing many short documents, or one
-// query over very many documents of <= 16 tokens. Per (query, document)
-// pair the other families pay a tile (or a warp and a query load); here a
-// document costs its own columns.
+// Where it wins: several queries sharing many short documents (per
+// (query, document) pair the other families pay a 64-column tile; here a
+// document costs its own columns). Its epilogue scans each column once per
+// query row, ~2x the tile kernels' cost per column, so from 64 tokens on
+// the tile kernels win; one query streams (H200: 2.3-3.9x faster than
+// this kernel at 8-16 tokens), per-query candidates too.
 inline bool packed_wins(const Request& r, int64_t mean_ld) {
-  if (r.layout != kCross || mean_ld > kPackedMaxMeanLd) return false;
-  return r.Nq >= 2 ? r.Nd >= 64 : mean_ld <= 16 && r.Nd >= 4096;
+  return r.layout == kCross && r.Nq >= 2 && mean_ld <= kPackedMaxMeanLd && r.Nd >= 64;
 }
 
 // Documents per CTA and the grid: about two waves (at least kPackedMaxDocs
