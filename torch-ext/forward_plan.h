@@ -470,10 +470,10 @@ inline bool packed_ok(const Request& r, const DeviceFacts& dev, bool scaled) {
 
 // Where it wins: several queries sharing many short documents (per
 // (query, document) pair the other families pay a 64-column tile; here a
-// document costs its own columns). Its epilogue scans each column once per
-// query row, ~2x the tile kernels' cost per column, so from 64 tokens on
-// the tile kernels win; one query streams (H200: 2.3-3.9x faster than
-// this kernel at 8-16 tokens), per-query candidates too.
+// document costs its own columns). Its epilogue costs about twice the tile
+// kernels' per column, so documents of 64 tokens go back to them; one query
+// and per-query candidates stream (3/4 of this kernel's tile rows would be
+// empty). Measurements: performance.md, many short documents.
 inline bool packed_wins(const Request& r, int64_t mean_ld) {
   return r.layout == kCross && r.Nq >= 2 && mean_ld <= kPackedMaxMeanLd && r.Nd >= 64;
 }
