@@ -60,7 +60,8 @@ def impl_rows(by: dict, workloads: list, impls: list, cell) -> list[str]:
                 if r is None:
                     cells.append("")
                 elif r.get(key) is None:
-                    cells.append(r.get("error", "fails"))
+                    wrong = r.get("relerr") is not None and "error" not in r
+                    cells.append(f"wrong ({r['relerr']:.1e})" if wrong else r.get("error", "fails"))
                 else:
                     cells.append(cell(r, key, graph))
             floor = by[(w, "maxsim")].get("floor_ms") if kind == "fwd" else None
