@@ -186,9 +186,10 @@ CHARTS = (("speed", "ms", "time / maxsim time (lower is faster)"),
 
 
 def chart_kinds(path: Path) -> list[tuple[str, str, str]]:
-    """The charts a GPU file has data for (the memory chart needs peak_mib)."""
+    """The charts a GPU file has data for (the memory chart needs the forward
+    rows' peak_mib)."""
     _, rows = load(path)
-    return [c for c in CHARTS if any(r["impl"] == "maxsim" and r.get(c[1]) for r in rows)]
+    return [c for c in CHARTS if any(r["impl"] == "maxsim" and r.get("ms") and r.get(c[1]) for r in rows)]
 
 
 def chart_links(path: Path) -> str:
