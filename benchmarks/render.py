@@ -26,7 +26,7 @@ IMPLS = ["maxsim", "lik", "flash-maxsim", "naive"]
 # Files with their own tables (or none: the read-only replicas of read_floor.py --replica;
 # the client benchmark, tabled in docs/integrations.md).
 SPECIAL = ("-search.json", "-normalize.json", "-packed.json", "-read-floor.json", "-distributed.json",
-           "-read-replica.json", "-clients.json", "-fp32.json")
+           "-read-replica.json", "-clients.json", "-fp32.json", "-plaid.json")
 
 
 def fmt(v, nd=3):
@@ -208,8 +208,24 @@ def performance_section() -> str:
     return "\n\n".join(parts)
 
 
+def plaid_table(path: Path) -> str:
+    """PLAID corpora and the projection head (bench_plaid.py): ms per
+    implementation and row, the byte floor, search recall against exact bf16."""
+    m, rows = load(path)
+    out = [f"PLAID corpora and the projection head (**{provenance(m)}**), ms; recall@10 / @100 against exact "
+           "bf16 search:", "", "| workload | impl | ms | floor | recall@10 / @100 | bytes / token |",
+           "|---|---|---|---|---|---|"]
+    for r in rows:
+        rec = f"{r['recall10']:.3f} / {r['recall100']:.3f}" if r.get("recall10") is not None else ""
+        ms = fmt(r.get("ms"), 4) if r.get("ms") is not None else r.get("error", "fails")
+        floor = fmt(r["floor_ms"], 4) if r.get("floor_ms") is not None else ""
+        out.append(f"| {r['workload']} | {r['impl']} | {ms} | {floor} | {rec} | {r.get('bytes_per_token', '')} |")
+    return "\n".join(out)
+
+
 def search_section() -> str:
-    return "\n\n".join(search_table(p) for p in sorted(RESULTS.glob("*-search.json")))
+    return "\n\n".join([search_table(p) for p in sorted(RESULTS.glob("*-search.json"))]
+                       + [plaid_table(p) for p in sorted(RESULTS.glob("*-plaid.json"))])
 
 
 # The README's summary: device time of a few representative workloads on one GPU.
