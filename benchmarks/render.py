@@ -26,7 +26,7 @@ IMPLS = ["maxsim", "lik", "flash-maxsim", "naive"]
 # Files with their own tables (or none: the read-only replicas of read_floor.py --replica;
 # the client benchmark, tabled in docs/integrations.md).
 SPECIAL = ("-search.json", "-normalize.json", "-packed.json", "-read-floor.json", "-distributed.json",
-           "-read-replica.json", "-clients.json", "-fp32.json", "-short-docs.json")
+           "-read-replica.json", "-clients.json", "-fp32.json", "-plaid.json", "-short-docs.json")
 
 
 def fmt(v, nd=3):
@@ -60,7 +60,8 @@ def impl_rows(by: dict, workloads: list, impls: list, cell) -> list[str]:
                 if r is None:
                     cells.append("")
                 elif r.get(key) is None:
-                    cells.append(r.get("error", "fails"))
+                    wrong = r.get("relerr") is not None and "error" not in r
+                    cells.append(f"wrong ({r['relerr']:.1e})" if wrong else r.get("error", "fails"))
                 else:
                     cells.append(cell(r, key, graph))
             floor = by[(w, "maxsim")].get("floor_ms") if kind == "fwd" else None
@@ -212,9 +213,10 @@ CHARTS = (("speed", "ms", "time / maxsim time (lower is faster)"),
 
 
 def chart_kinds(path: Path) -> list[tuple[str, str, str]]:
-    """The charts a GPU file has data for (the memory chart needs peak_mib)."""
+    """The charts a GPU file has data for (the memory chart needs the forward
+    rows' peak_mib)."""
     _, rows = load(path)
-    return [c for c in CHARTS if any(r["impl"] == "maxsim" and r.get(c[1]) for r in rows)]
+    return [c for c in CHARTS if any(r["impl"] == "maxsim" and r.get("ms") and r.get(c[1]) for r in rows)]
 
 
 def chart_links(path: Path) -> str:
@@ -234,8 +236,24 @@ def performance_section() -> str:
     return "\n\n".join(parts)
 
 
+def plaid_table(path: Path) -> str:
+    """PLAID corpora and the projection head (bench_plaid.py): ms per
+    implementation and row, the byte floor, search recall against exact bf16."""
+    m, rows = load(path)
+    out = [f"PLAID corpora and the projection head (**{provenance(m)}**), ms; recall@10 / @100 against exact "
+           "bf16 search:", "", "| workload | impl | ms | floor | recall@10 / @100 | bytes / token |",
+           "|---|---|---|---|---|---|"]
+    for r in rows:
+        rec = f"{r['recall10']:.3f} / {r['recall100']:.3f}" if r.get("recall10") is not None else ""
+        ms = fmt(r.get("ms"), 4) if r.get("ms") is not None else r.get("error", "fails")
+        floor = fmt(r["floor_ms"], 4) if r.get("floor_ms") is not None else ""
+        out.append(f"| {r['workload']} | {r['impl']} | {ms} | {floor} | {rec} | {r.get('bytes_per_token', '')} |")
+    return "\n".join(out)
+
+
 def search_section() -> str:
-    return "\n\n".join(search_table(p) for p in sorted(RESULTS.glob("*-search.json")))
+    return "\n\n".join([search_table(p) for p in sorted(RESULTS.glob("*-search.json"))]
+                       + [plaid_table(p) for p in sorted(RESULTS.glob("*-plaid.json"))])
 
 
 # The README's summary: device time of a few representative workloads on one GPU.

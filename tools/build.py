@@ -79,6 +79,10 @@ else:
     sys.modules["{ext}"] = _mod
     _spec.loader.exec_module(_mod)
 globals().update({{k: v for k, v in vars(_mod).items() if not k.startswith("__")}})
+
+
+def __getattr__(name):  # the parts the variant loads on first use
+    return getattr(_mod, name)
 '''
 
 

@@ -10,7 +10,6 @@
 #include <condition_variable>
 #include <memory>
 #include <mutex>
-#include <sstream>
 #include <stdexcept>
 #include <thread>
 
@@ -136,6 +135,22 @@ struct ThreadCtx {
 };
 
 static thread_local ThreadCtx* tls_ctx = nullptr;
+
+// Error messages are concatenated strings, not iostreams: building one with
+// std::ostringstream crashed (SIGSEGV) in this extension on Ubuntu 24.04 /
+// GCC 13 next to torch 2.11, where plain std::string works.
+static std::string piece(const std::string& s) { return s; }
+static std::string piece(const char* s) { return s; }
+template <class T, class = std::enable_if_t<std::is_arithmetic<T>::value>>
+static std::string piece(T v) {
+  return std::to_string(v);
+}
+template <class... A>
+static std::string cat(const A&... a) {
+  std::string s;
+  ((s += piece(a)), ...);
+  return s;
+}
 static constexpr size_t kGuard = 256;
 static constexpr unsigned char kGuardByte = 0xA5;
 
@@ -335,18 +350,19 @@ struct Worker {
         }
       }
       if (!pending) return nullptr;
-      std::ostringstream os;
-      os << "deadlock: threads of threadgroup wait at barriers that cannot complete "
-            "(a barrier or SIMD-group operation not reached by every thread):";
+      std::string msg =
+          "deadlock: threads of threadgroup wait at barriers that cannot complete "
+          "(a barrier or SIMD-group operation not reached by every thread):";
       int shown = 0;
       for (int i = 0; i < n && shown < 8; ++i) {
         const Fiber* f = fibers[size_t(i)].get();
         if (f->done) continue;
         ++shown;
-        os << " [thread " << i << (f->wait == &f->ctx.group->bar ? " at threadgroup_barriers#" : " at simd op#")
-           << (f->wait == &f->ctx.group->bar ? f->ctx.tg_seq : f->ctx.simd_seq) << "]";
+        const bool at_tg = f->wait == &f->ctx.group->bar;
+        msg += cat(" [thread ", i, at_tg ? " at threadgroup_barriers#" : " at simd op#",
+                   at_tg ? f->ctx.tg_seq : f->ctx.simd_seq, "]");
       }
-      record_failure(os.str());
+      record_failure(msg);
     }
     return nullptr;
   }
@@ -433,10 +449,8 @@ static void set_failed(LaunchState* st, const std::string& msg) {
 void fail(const std::string& msg) {
   ThreadCtx* c = tls_ctx;
   if (c) {
-    std::ostringstream os;
-    os << msg << " (threadgroup " << c->group->pos[0] << "," << c->group->pos[1] << "," << c->group->pos[2]
-       << ", thread " << c->tid << ")";
-    set_failed(c->st, os.str());
+    set_failed(c->st, cat(msg, " (threadgroup ", c->group->pos[0], ",", c->group->pos[1], ",", c->group->pos[2],
+                          ", thread ", c->tid, ")"));
   }
   throw Abort{};
 }
@@ -507,11 +521,8 @@ void simd_sync(ThreadCtx& c, int op) {
   arrive_and_wait(c, s.bar, [&]() -> std::string {
     for (int l = 1; l < 32; ++l)
       if (s.tag[l] != s.tag[0]) {
-        std::ostringstream os;
-        os << "divergent SIMD-group operations: lane 0 is at " << op_name(int(s.tag[0] & 0xff)) << " #"
-           << (s.tag[0] >> 8) << ", lane " << l << " at " << op_name(int(s.tag[l] & 0xff)) << " #"
-           << (s.tag[l] >> 8);
-        return os.str();
+        return cat("divergent SIMD-group operations: lane 0 is at ", op_name(int(s.tag[0] & 0xff)), " #",
+                   s.tag[0] >> 8, ", lane ", l, " at ", op_name(int(s.tag[l] & 0xff)), " #", s.tag[l] >> 8);
       }
     return std::string();
   });
@@ -593,10 +604,8 @@ static void init_group(GroupShared& g, LaunchState& st, long index) {
 static void check_guard(GroupShared& g, LaunchState& st) {
   for (size_t i = 0; i < kGuard; ++i)
     if (g.smem[g.smem_bytes + i] != kGuardByte) {
-      std::ostringstream os;
-      os << "threadgroup memory overflow: a write past the " << g.smem_bytes << " bytes the host set (threadgroup "
-         << g.pos[0] << "," << g.pos[1] << "," << g.pos[2] << ")";
-      set_failed(&st, os.str());
+      set_failed(&st, cat("threadgroup memory overflow: a write past the ", g.smem_bytes,
+                          " bytes the host set (threadgroup ", g.pos[0], ",", g.pos[1], ",", g.pos[2], ")"));
       return;
     }
 }

@@ -5,7 +5,9 @@ materialising the similarity grid, for inference and training. Load with
 ``kernels.get_kernel("<org>/maxsim")``.
 """
 
-from . import checks, distributed, head, integrations, keys, layers, plaid, reference
+import importlib
+
+from . import checks, keys, reference
 from ._registry import FALLBACKS, ops
 from .reference import (
     maxsim_reference,
@@ -18,7 +20,6 @@ from .reference import (
     score_pairs_packed_with_argmax_reference,
 )
 from .corpus import Corpus
-from .head import maxsim_from_hidden
 from .plan import explain, forcing
 from .quantization import quantize_tokens
 from .retrieval import search
@@ -76,3 +77,22 @@ __all__ = [
     "validation",
     "validation_enabled",
 ]
+
+# Optional parts (multi-GPU, the projection head, host-library integrations,
+# kernels-hub layers, PLAID corpora) load on first use, so importing the
+# package pays only for scoring and search.
+_LAZY = {"distributed": None, "head": None, "integrations": None, "layers": None, "plaid": None,
+         "maxsim_from_hidden": "head"}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(f".{_LAZY[name] or name}", __name__)
+    value = module if _LAZY[name] is None else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -42,7 +42,7 @@ FALLBACKS: set[tuple[str, str]] = set()
 _LIB = torch.library.Library(FORWARD.split("::")[0], "FRAGMENT")
 
 
-def _meta(*qualnames):
+def meta_kernel(*qualnames):
     """Registers the decorated shape function as these ops' Meta kernel."""
 
     def register(fn):
@@ -67,7 +67,7 @@ def _argmax_empty(q, P, lq, argmax_kind):
     return q.new_empty((P, lq), dtype=torch.int16 if argmax_kind == 2 else torch.int32)
 
 
-@_meta(FORWARD, FORWARD_TRAIN)
+@meta_kernel(FORWARD, FORWARD_TRAIN)
 def _forward_fake(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d,
                   layout, lq, argmax_kind, precision, normalize=False):
     P = num_pairs(q_start, d_start, pair_q, layout)
@@ -75,36 +75,36 @@ def _forward_fake(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, 
     return q.new_empty((P,), dtype=sdt), _argmax_empty(q, P, lq, argmax_kind)
 
 
-@_meta(FORWARD_QUANT)
+@meta_kernel(FORWARD_QUANT)
 def _forward_quant_fake(q, q_scale, q_start, q_len, q_mask, d, d_scale, d_start, d_len, d_mask,
                         pair_q, pair_d, layout, lq, argmax_kind, uniform_doc_scales=False):
     P = num_pairs(q_start, d_start, pair_q, layout)
     return q.new_empty((P,), dtype=torch.float32), _argmax_empty(q, P, lq, argmax_kind)
 
 
-@_meta(QUANTIZE)
+@meta_kernel(QUANTIZE)
 def _quantize_fake(x, kind, scales=None):
     dp = (x.shape[1] + 15) // 16 * 16
     vt = torch.int8 if kind == 0 else torch.float8_e4m3fn
     return x.new_empty((x.shape[0], dp), dtype=vt), x.new_empty((x.shape[0],), dtype=torch.float32)
 
 
-@_meta(BLOCK_TOPK)
+@meta_kernel(BLOCK_TOPK)
 def _block_topk_fake(scores, id0, k, ids=None):
     return scores.new_empty((scores.shape[0], min(k, scores.shape[1])), dtype=torch.int64)
 
 
-@_meta(DECODE_KEYS)
+@meta_kernel(DECODE_KEYS)
 def _decode_keys_fake(keys):
     return keys.new_empty(keys.shape, dtype=torch.float32), torch.empty_like(keys)
 
 
-@_meta(RESCORE_TOPK)
+@meta_kernel(RESCORE_TOPK)
 def _rescore_topk_fake(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, keys, lq, k):
     return keys.new_empty((keys.shape[0], k), dtype=torch.float32), keys.new_empty((keys.shape[0], k))
 
 
-@_meta(BACKWARD)
+@meta_kernel(BACKWARD)
 def _backward_fake(grad, q, q_start, q_len, d, d_start, d_len, pair_q, pair_d, argmax,
                    layout, q_ptr, q_pairs, d_ptr, d_pairs, need_dq, need_dd, normalize=False):
     dq = torch.empty_like(q) if need_dq else q.new_empty((0,))
@@ -112,7 +112,7 @@ def _backward_fake(grad, q, q_start, q_len, d, d_start, d_len, pair_q, pair_d, a
     return dq, dd
 
 
-@_meta(SEGMENTS)
+@meta_kernel(SEGMENTS)
 def _segments_fake(offsets, totals, max_lens, ints, lo, hi):
     out = []
     for o in offsets:
@@ -120,32 +120,32 @@ def _segments_fake(offsets, totals, max_lens, ints, lo, hi):
     return out + [t.new_empty(t.shape, dtype=torch.int32) for t in ints]
 
 
-def _warn_fallback(op: str, key: str) -> None:
+def warn_fallback(op: str, key: str) -> None:
     warnings.warn(f"maxsim: no compiled {op} kernel for {key}; using the PyTorch reference",
                   stacklevel=3)
 
 
 def _reference_forward(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d,
                        layout, lq, argmax_kind, precision, normalize=False):
-    _warn_fallback("forward", q.device.type)
+    warn_fallback("forward", q.device.type)
     return reference.forward(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask,
                              pair_q, pair_d, layout, lq, argmax_kind, precision, normalize=normalize)
 
 
 def _reference_forward_quant(q, q_scale, q_start, q_len, q_mask, d, d_scale, d_start, d_len, d_mask,
                              pair_q, pair_d, layout, lq, argmax_kind, uniform_doc_scales=False):
-    _warn_fallback("forward_quant", q.device.type)
+    warn_fallback("forward_quant", q.device.type)
     return reference.forward_quant(q, q_scale, q_start, q_len, q_mask, d, d_scale, d_start, d_len,
                                    d_mask, pair_q, pair_d, layout, lq, argmax_kind)
 
 
 def _reference_quantize(x, kind, scales=None):
-    _warn_fallback("quantize", x.device.type)
+    warn_fallback("quantize", x.device.type)
     return reference.quantize(x, kind, scales=scales)
 
 
 def _reference_block_topk(scores, id0, k, ids=None):
-    _warn_fallback("block_topk", scores.device.type)
+    warn_fallback("block_topk", scores.device.type)
     if ids is None:
         ids = torch.arange(id0, id0 + scores.shape[1], device=scores.device)[None, :]
     keys = encode_keys(scores, ids)
@@ -153,12 +153,12 @@ def _reference_block_topk(scores, id0, k, ids=None):
 
 
 def _reference_decode_keys(keys):
-    _warn_fallback("decode_keys", keys.device.type)
+    warn_fallback("decode_keys", keys.device.type)
     return decode_keys(keys)
 
 
 def _reference_rescore_topk(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, keys, lq, k):
-    _warn_fallback("rescore_topk", q.device.type)
+    warn_fallback("rescore_topk", q.device.type)
     _, ids = decode_keys(keys)
     nq, kc = keys.shape
     pair_d = torch.where(ids < d_start.shape[0], ids, -1).reshape(-1).to(torch.int32)
@@ -171,27 +171,30 @@ def _reference_rescore_topk(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask
 
 def _reference_backward(grad, q, q_start, q_len, d, d_start, d_len, pair_q, pair_d, argmax,
                         layout, q_ptr, q_pairs, d_ptr, d_pairs, need_dq, need_dd, normalize=False):
-    _warn_fallback("backward", q.device.type)
+    warn_fallback("backward", q.device.type)
     return reference.backward(grad, q, q_start, q_len, d, d_start, d_len, pair_q, pair_d,
                               argmax, layout, q_ptr, q_pairs, d_ptr, d_pairs, need_dq, need_dd,
                               normalize=normalize)
 
 
 def _reference_segments(offsets, totals, max_lens, ints, lo, hi):
-    _warn_fallback("segments", (offsets[0] if offsets else ints[0]).device.type)
+    warn_fallback("segments", (offsets[0] if offsets else ints[0]).device.type)
     # An op's outputs may not alias its inputs (a start can be a view).
     return [t.clone() for t in reference.segments(offsets, totals, max_lens, ints, lo, hi)]
 
 
-def _register_fallbacks() -> None:
+def register_fallbacks(impls) -> None:
+    """Serves each ``(op, reference)`` pair from Python on the devices this
+    build has no compiled kernel of the op for."""
     for key in ("CPU", "CUDA", "MPS"):
-        for name, impl in ((FORWARD, _reference_forward), (FORWARD_TRAIN, _reference_forward),
-                           (FORWARD_QUANT, _reference_forward_quant), (QUANTIZE, _reference_quantize), (BLOCK_TOPK, _reference_block_topk),
-                           (DECODE_KEYS, _reference_decode_keys), (RESCORE_TOPK, _reference_rescore_topk),
-                           (BACKWARD, _reference_backward), (SEGMENTS, _reference_segments)):
+        for name, impl in impls:
             if not torch._C._dispatch_has_kernel_for_dispatch_key(name, key):
                 _LIB.impl(name.split("::")[1], impl, key)
                 FALLBACKS.add((name.split("::")[1], key))
 
 
-_register_fallbacks()
+register_fallbacks(((FORWARD, _reference_forward), (FORWARD_TRAIN, _reference_forward),
+                    (FORWARD_QUANT, _reference_forward_quant), (QUANTIZE, _reference_quantize),
+                    (BLOCK_TOPK, _reference_block_topk), (DECODE_KEYS, _reference_decode_keys),
+                    (RESCORE_TOPK, _reference_rescore_topk), (BACKWARD, _reference_backward),
+                    (SEGMENTS, _reference_segments)))

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ._ops import add_op_namespace_prefix, ops
+from ._registry import meta_kernel, register_fallbacks, warn_fallback
 
 Tensor = torch.Tensor
 NBITS = (2, 4, 8)
@@ -164,12 +165,12 @@ def compress(x: Tensor, centroids: Tensor, bucket_cutoffs: Tensor, nbits: int) -
 
 # -- op plumbing: fake kernels, references for devices without a kernel --------
 
-@torch.library.register_fake(PLAID_APPROX)
+@meta_kernel(PLAID_APPROX)
 def _approx_fake(qcs, codes, d_start, d_len):
     return qcs.new_empty((qcs.shape[0], d_start.shape[0]))
 
 
-@torch.library.register_fake(PLAID_FORWARD)
+@meta_kernel(PLAID_FORWARD)
 def _forward_fake(q, codes, residuals, centroids, bucket_weights, d_start, d_len, pair_q, nbits, normalize, argmax):
     nq, lq, nd = q.shape[0], q.shape[1], d_start.shape[0]
     shape = (nd,) if pair_q is not None else (nq, nd)
@@ -177,7 +178,7 @@ def _forward_fake(q, codes, residuals, centroids, bucket_weights, d_start, d_len
     return q.new_empty(shape), am
 
 
-@torch.library.register_fake(PLAID_BACKWARD)
+@meta_kernel(PLAID_BACKWARD)
 def _backward_fake(grad, q, codes, residuals, centroids, bucket_weights, d_start, d_len, argmax, nbits, normalize):
     return torch.empty_like(q)
 
@@ -234,28 +235,17 @@ def _reference_backward(grad, q, codes, residuals, centroids, bucket_weights, d_
     return torch.einsum("in,insd->isd", grad, win * ok[..., None]).float()
 
 
-def _register_fallbacks() -> None:
-    import warnings
-
-    from ._registry import FALLBACKS
-
-    def wrap(name, fn):
-        def impl(*args):
-            warnings.warn(f"maxsim: no compiled {name} kernel for {args[0].device.type}; using the PyTorch "
-                          "reference", stacklevel=3)
-            return fn(*args)
-        return impl
-
-    for key in ("CPU", "CUDA", "MPS"):
-        for qual, fn in ((PLAID_APPROX, _reference_approx), (PLAID_FORWARD, _reference_forward),
-                         (PLAID_BACKWARD, _reference_backward)):
-            if not torch._C._dispatch_has_kernel_for_dispatch_key(qual, key):
-                short = qual.split("::")[1]
-                torch.library.impl(qual, key)(wrap(short, fn))
-                FALLBACKS.add((short, key))
+def _served_by(name: str, fn):
+    """``fn`` as an op's fallback kernel: warns, then runs the reference."""
+    def impl(*args):
+        warn_fallback(name, args[0].device.type)
+        return fn(*args)
+    return impl
 
 
-_register_fallbacks()
+register_fallbacks(((PLAID_APPROX, _served_by("plaid_approx", _reference_approx)),
+                    (PLAID_FORWARD, _served_by("plaid_forward", _reference_forward)),
+                    (PLAID_BACKWARD, _served_by("plaid_backward", _reference_backward))))
 
 
 # -- scoring -------------------------------------------------------------------
