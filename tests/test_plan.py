@@ -191,6 +191,51 @@ def test_tile_kernel_rules(ms):
     assert p["splits"] > 1 and p["row_mode"] == 2, p
 
 
+# The short-document rows of benchmarks/bench_short_docs.py: (Nq, Nd, Ld).
+SHORT_SHARED = [(32, 50000, 8), (32, 50000, 16), (32, 50000, 32), (128, 20000, 16)]
+
+
+@pytest.mark.parametrize("arch,sms", [(90, 132), (80, 108)], ids=["sm90a-132", "sm80-108"])
+def test_packed_rules(ms, arch, sms):
+    # Several queries over many short shared documents: the packed kernel,
+    # 32-row query slots (4 per 128-row tile), <= 512 documents per CTA,
+    # every (tile, document) covered once.
+    for nq, nd, ld in SHORT_SHARED:
+        for argmax in (False, True):
+            p = plan(ms, CROSS, nq, nd, 32, ld, arch=arch, sms=sms, argmax=argmax)
+            assert (p["family"], p["rows"], p["qpt"], p["ks"]) == ("packed", 32, 4, 8), p
+            assert 1 <= p["dpc"] <= 512 and p["cpg"] * p["dpc"] >= nd > (p["cpg"] - 1) * p["dpc"], p
+            assert p["items"] == p["grid"] == -(-nq // 4) * p["cpg"], p
+    # Query slots are the power of two >= lq; 64-wide rows take 4 k steps.
+    p = plan(ms, CROSS, 8, 5000, 17, 8, dim=64, arch=arch, sms=sms)
+    assert (p["family"], p["rows"], p["qpt"], p["ks"]) == ("packed", 32, 4, 4), p
+    assert plan(ms, CROSS, 200, 5000, 1, 8, arch=arch, sms=sms)["rows"] == 1
+    assert plan(ms, CROSS, 8, 5000, 5, 8, arch=arch, sms=sms)["rows"] == 8
+    # Not by the rule: one query (the streams), few or longer documents,
+    # queries past 32 rows, fp32, normalize, odd widths, per-query candidates.
+    for ld in (8, 16, 32):
+        assert plan(ms, CROSS, 1, 200000, 32, ld, arch=arch, sms=sms)["family"] in ("stream", "stream_wg")
+    assert plan(ms, CROSS, 32, 25000, 32, 64, arch=arch, sms=sms)["family"] != "packed"
+    assert plan(ms, CROSS, 32, 12500, 32, 128, arch=arch, sms=sms)["family"] != "packed"
+    assert plan(ms, CROSS, 32, 32, 32, 16, arch=arch, sms=sms)["family"] != "packed"
+    assert plan(ms, CROSS, 32, 5000, 33, 8, arch=arch, sms=sms)["family"] != "packed"
+    assert plan(ms, CROSS, 32, 5000, 32, 8, dtype=torch.float32, arch=arch, sms=sms)["family"] != "packed"
+    assert plan(ms, CROSS, 32, 5000, 32, 8, normalize=True, arch=arch, sms=sms)["family"] != "packed"
+    assert plan(ms, CROSS, 32, 5000, 32, 8, dim=96, arch=arch, sms=sms)["family"] != "packed"
+    assert plan(ms, CROSS, 32, 5000, 32, 8, align=8, arch=arch, sms=sms)["family"] != "packed"
+    assert plan(ms, GROUPED, 64, 64000, 32, 24, arch=arch, sms=sms)["family"] != "packed"
+    # Forced: per-query candidates (one query per tile, CTAs within its K
+    # documents) and longer documents; never where it cannot read the rows.
+    p = plan(ms, CROSS, 1, 200000, 32, 8, arch=arch, sms=sms, force="packed")
+    assert (p["family"], p["qpt"], p["items"]) == ("packed", 4, p["cpg"]), p
+    p = plan(ms, GROUPED, 64, 64000, 32, 24, arch=arch, sms=sms, force="packed")
+    assert (p["family"], p["qpt"]) == ("packed", 1) and p["items"] == 64 * p["cpg"], p
+    assert p["cpg"] * p["dpc"] >= 1000 > (p["cpg"] - 1) * p["dpc"], p
+    assert plan(ms, CROSS, 32, 12500, 32, 128, arch=arch, sms=sms, force="packed")["family"] == "packed"
+    assert plan(ms, LIST, 32, 5000, 32, 8, arch=arch, sms=sms, force="packed")["family"] != "packed"
+    assert plan(ms, CROSS, 32, 5000, 32, 8, dtype=torch.float32, force="packed")["family"] != "packed"
+
+
 def test_force(ms):
     assert plan(ms, CROSS, 4, 500, 32, 300, force="stream")["family"] == "stream"
     assert plan(ms, CROSS, 1, 1000, 32, 300, force="stream")["family"] == "stream"

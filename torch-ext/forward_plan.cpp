@@ -55,6 +55,11 @@ int model_blocks(const ArchModel& m, const plan::KernelId& k) {
       threads = plan::kStreamWgThreads;
       smem = plan::stream_wg_smem(k.ks, k.rows, plan::kStreamWgStages);
       break;
+    case plan::Family::kPacked:
+      threads = plan::kPackedThreads;
+      minb = 2;
+      smem = plan::packed_smem(k.ks) + 10 * 1024;  // + the document and column tables (static)
+      break;
     default: return 1;
   }
   int b = std::min(m.blocks_per_sm, m.threads_per_sm / threads);
@@ -81,7 +86,7 @@ plan::DeviceFacts model_facts(int64_t arch, int64_t sm_count) {
 
 plan::Family family_of(const std::string& name) {
   for (plan::Family f : {plan::Family::kStream, plan::Family::kStreamWg, plan::Family::kMma, plan::Family::kWgmma,
-                         plan::Family::kSimt})
+                         plan::Family::kSimt, plan::Family::kPacked})
     if (name == plan::family_name(f)) return f;
   MAXSIM_CHECK(name.empty(), "maxsim: plan_forward: unknown family '%s'", name.c_str());
   return plan::Family::kNone;
@@ -144,6 +149,16 @@ std::string plan_forward(int64_t layout, int64_t nq, int64_t nd, int64_t tq, int
       put("grid", p.grid);
       put("keep", p.keep);
       put("multiwave", p.multiwave);
+      break;
+    case plan::Family::kPacked:
+      put("ks", p.packed.ks);
+      put("rows", p.packed.rows);
+      put("qpt", p.qpt);
+      put("occupancy", p.occupancy);
+      put("dpc", p.dpc);
+      put("cpg", p.cpg);
+      put("items", p.items);
+      put("grid", p.grid);
       break;
     case plan::Family::kMma:
     case plan::Family::kWgmma:

@@ -10,6 +10,10 @@
 // (maxsim.explain) and to the CPU tests.
 //
 // Families, in the order they are tried:
+//   * kPacked (sm_80+, fp16 / bf16 rows of 128 / 256 bytes, lq <= 32): many
+//     short documents (mean <= kPackedMaxMeanLd tokens) shared by several
+//     queries (per-query candidates when forced): documents packed side by
+//     side into one tensor-core tile, reduced per document in the epilogue;
 //   * kStreamWg (sm_90a, fp16 / bf16 rows of 128 / 256 bytes): the staged
 //     wgmma stream, one query (or per-query candidates, pair lists) against
 //     documents of >= 64 tokens; also queries of 33-128 rows;
@@ -40,6 +44,7 @@ enum class Family : int {
   kWgmma = 4,     // forward_wgmma.cuh (sm_90a)
   kSimt = 5,      // forward_simt.cuh
   kComposed = 6,  // rescore_topk only: the composition of forward, select and decode
+  kPacked = 7,    // forward_packed.cuh
 };
 constexpr const char* family_name(Family f) {
   return f == Family::kStream      ? "stream"
@@ -48,6 +53,7 @@ constexpr const char* family_name(Family f) {
          : f == Family::kWgmma     ? "wgmma"
          : f == Family::kSimt      ? "simt"
          : f == Family::kComposed  ? "composed"
+         : f == Family::kPacked    ? "packed"
                                    : "none";
 }
 
@@ -127,6 +133,28 @@ constexpr int kStreamWgTokens = 64;    // tokens per stage (wgmma M)
 constexpr int kStreamWgStages = 4;
 constexpr int stream_wg_smem(int ks, int nq, int nst) { return (nst * kStreamWgTokens + nq) * ks * 32; }
 
+// Packed short documents (forward_packed.cuh): a CTA keeps BM query rows
+// (queries in power-of-two row slots) in registers and streams the
+// concatenated tokens of up to kPackedMaxDocs consecutive documents through
+// BN-column tiles; the epilogue takes each document's max over its columns
+// and sums each slot's rows.
+constexpr int kPackedBM = 128, kPackedBN = 64, kPackedThreads = 128;
+constexpr int kPackedStages = 4;
+// Score-tile row stride in floats: odd, so the row-per-thread scan reads
+// distinct banks; 67 keeps the fragment stores at 2-way conflicts.
+constexpr int kPackedSst = kPackedBN + 3;
+constexpr int kPackedMaxDocs = 512;    // documents per CTA, at most
+constexpr int64_t kPackedMaxMeanLd = 32;  // the rule's mean document length, at most
+constexpr int64_t packed_smem(int ks) {
+  return (int64_t)kPackedStages * kPackedBN * ks * 32 + (int64_t)kPackedBM * kPackedSst * 4;
+}
+// Query rows per slot: the power of two >= lq (lq <= 32).
+constexpr int packed_rows(int64_t lq) {
+  int r = 1;
+  while (r < lq) r *= 2;
+  return r;
+}
+
 // ---- inputs -----------------------------------------------------------------
 
 // A kernel whose resident CTAs per SM the planner asks for (fields that do
@@ -139,7 +167,7 @@ struct KernelId {
   bool split = false;   // kMma, float tokens: split 3xTF32 products
   int cfg = 0;          // kMma: config id
   int64_t smem = 0;     // kMma: dynamic shared memory
-  int ks = 0;           // kStream / kStreamWg: 32-byte k steps per row
+  int ks = 0;           // kStream / kStreamWg / kPacked: 32-byte k steps per row
   int rows = 0;         // kStream: query row groups (1, 2); kStreamWg: query rows per tile (16..128)
   int warps = 0;        // kStream: warps per CTA (kStreamWarps or kStreamWideWarps)
   bool rank = false;    // kStream: the fused top-k
@@ -199,6 +227,11 @@ struct StreamWgPlan {  // kStreamWg
   int ks = 0, nq = 0, stages = kStreamWgStages;
 };
 
+struct PackedPlan {  // kPacked (tile fields: qpt, mt_total, dpc = documents per CTA, gsz, cpg, items)
+  int ks = 0;    // 32-byte k steps per row (4 or 8)
+  int rows = 0;  // query rows per slot (packed_rows(lq))
+};
+
 struct WgmmaPlan {  // kWgmma
   int nkb = 1;             // 128-byte column blocks per row
   int scale = 0;           // 0 none, 1 per token, 2 per document (applied to the row maxima)
@@ -231,6 +264,7 @@ struct Plan {
   bool multiwave = false;
   StreamPlan stream;
   StreamWgPlan stream_wg;
+  PackedPlan packed;
   WgmmaPlan wgmma;
   int64_t grid = 0;         // CTAs of the (first) launch
 };
@@ -425,6 +459,52 @@ inline bool wgmma_takes(const Request& r, const DeviceFacts& dev, bool scaled) {
   return true;
 }
 
+// The packed kernel takes the call: sm_80+, 16-bit rows of 128 / 256 bytes,
+// 16-byte aligned, queries of <= 32 rows, CROSS or GROUPED, no normalize.
+inline bool packed_ok(const Request& r, const DeviceFacts& dev, bool scaled) {
+  const int64_t rb = r.dim * elem_size(r.dtype);
+  return dev.arch >= 80 && is_16bit(r.dtype) && !r.quant && !scaled && (rb == 128 || rb == 256) &&
+         r.ptr_align >= 16 && r.lq >= 1 && r.lq <= 32 && (r.layout == kCross || r.layout == kGrouped) &&
+         r.Nd <= std::numeric_limits<int32_t>::max() && r.Td < ((int64_t)1 << 31);
+}
+
+// Where it wins: several queries sharing many short documents (per
+// (query, document) pair the other families pay a 64-column tile; here a
+// document costs its own columns). Its epilogue costs about twice the tile
+// kernels' per column, so documents of 64 tokens go back to them; one query
+// and per-query candidates stream (3/4 of this kernel's tile rows would be
+// empty). Measurements: performance.md, many short documents.
+inline bool packed_wins(const Request& r, int64_t mean_ld) {
+  return r.layout == kCross && r.Nq >= 2 && mean_ld <= kPackedMaxMeanLd && r.Nd >= 64;
+}
+
+// Documents per CTA and the grid: about two waves (at least kPackedMaxDocs
+// documents' worth of CTAs), each CTA >= 4 column tiles where there are
+// that many.
+inline void plan_packed(Plan& pl, const Request& r, const DeviceFacts& dev, int64_t mean_ld) {
+  pl.family = Family::kPacked;
+  const int64_t rb = r.dim * elem_size(r.dtype);
+  pl.packed.ks = (int)(rb / 32);
+  pl.packed.rows = packed_rows(r.lq);
+  KernelId k{Family::kPacked, r.dtype, r.argmax};
+  k.ks = pl.packed.ks;
+  pl.occupancy = std::max(1, blocks(dev, k));
+  const int64_t slots = (int64_t)pl.occupancy * dev.sm_count;
+  const bool cross = r.layout == kCross;
+  pl.qpt = cross ? kPackedBM / pl.packed.rows : 1;
+  pl.mt_total = cross ? (r.Nq + pl.qpt - 1) / pl.qpt : 1;
+  pl.gsz = cross ? std::max<int64_t>(r.Nd, 1) : std::max<int64_t>(1, r.Nq > 0 ? r.Nd / r.Nq : 1);
+  const int64_t groups = (r.Nd + pl.gsz - 1) / pl.gsz;
+  const int64_t tiles_of_group = std::max<int64_t>(1, pl.gsz * std::max<int64_t>(mean_ld, 1) / (4 * kPackedBN));
+  const int64_t want = (2 * slots + pl.mt_total * groups - 1) / (pl.mt_total * groups);
+  int64_t cpg = std::max<int64_t>((pl.gsz + kPackedMaxDocs - 1) / kPackedMaxDocs, std::min(want, tiles_of_group));
+  cpg = std::min(cpg, pl.gsz);
+  pl.dpc = (int)((pl.gsz + cpg - 1) / cpg);
+  pl.cpg = (pl.gsz + pl.dpc - 1) / pl.dpc;
+  pl.items = pl.mt_total * groups * pl.cpg;
+  pl.grid = pl.items;
+}
+
 }  // namespace detail
 
 // The wgmma kernel's schedule for a launch of `items` work items.
@@ -459,6 +539,13 @@ inline Plan plan_forward(const Request& r, const DeviceFacts& dev) {
   if (r.lq == 0) {  // no query rows: scores are 0 (NaN for invalid pairs)
     pl.splits = 0;
     pl.row_mode = 2;
+    return pl;
+  }
+
+  // ---- packed short documents -------------------------------------------------
+  if ((forced ? r.force == Family::kPacked : packed_wins(r, mean_ld)) && packed_ok(r, dev, pl.scaled) &&
+      r.P > 0) {
+    plan_packed(pl, r, dev, mean_ld);
     return pl;
   }
 

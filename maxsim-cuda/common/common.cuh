@@ -70,6 +70,7 @@ struct FwdParams {
   // query tile is the same for all of them. cpg = ceil(gsz / dpc).
   int dpc;
   int64_t gsz, cpg;
+  int qrows;  // packed kernel: query rows per slot (a power of two >= lq)
   // Streaming kernel: warps per pair (1, 2, 4), stream_il (bit 0: the
   // whole-sector lane layout, bit 1: a split pair's warps take interleaved
   // tiles instead of contiguous ranges), the per-CTA query staging (<= 0 /

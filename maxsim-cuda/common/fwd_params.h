@@ -43,7 +43,7 @@ inline void set_stream_plan(FwdParams& p, const plan::Plan& pl) {
   p.stream_multiwave = pl.multiwave;
 }
 
-// The tile kernels' fields of a plan (kMma, kWgmma, kSimt).
+// The tile kernels' fields of a plan (kMma, kWgmma, kSimt, kPacked).
 inline void set_tile_plan(FwdParams& p, const plan::Plan& pl) {
   p.qpt = pl.qpt;
   p.tpq = pl.tpq;
@@ -57,6 +57,7 @@ inline void set_tile_plan(FwdParams& p, const plan::Plan& pl) {
   p.dpc = pl.dpc;
   p.gsz = pl.gsz;
   p.cpg = pl.cpg;
+  p.qrows = pl.packed.rows;
 }
 
 // Token rows, (start, length) per query and document, masks (qm / dm may be

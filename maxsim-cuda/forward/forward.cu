@@ -1,7 +1,7 @@
 // maxsim::forward_cuda: executes the forward plan (forward_plan.h) of a call.
 //
 // The planner picks the kernel family (register streaming, staged wgmma
-// stream, wgmma, mma.sync, SIMT), its configuration, the document split and
+// stream, packed short documents, wgmma, mma.sync, SIMT), its configuration, the document split and
 // the grid from the call's shape facts and the device facts gathered here
 // (cuda_device_facts); this file validates the arguments, fills FwdParams from the
 // plan and launches. The executors never decline.
@@ -26,6 +26,7 @@
 #include <algorithm>
 
 #include "forward_mma.cuh"
+#include "forward_packed.cuh"
 #include "forward_simt.cuh"
 #include "forward_stream.cuh"
 #include "../forward_sm90a/forward_stream_wg.cuh"
@@ -126,6 +127,8 @@ int blocks_per_sm(const plan::KernelId& k) {
       }
     } else if (k.family == plan::Family::kStreamWg) {
       if constexpr (kIs16Bit<T>) return stream_wg_blocks<T>(k.ks, k.rows);
+    } else if (k.family == plan::Family::kPacked) {
+      if constexpr (kIs16Bit<T>) return packed_blocks<T>(k.ks, k.argmax);
     }
     return 0;  // no such kernel: the planner does not ask for it
   });
@@ -146,6 +149,11 @@ void run_tiles(const plan::Plan& pl, const plan::Request& rq, const plan::Device
           run_wgmma<T>(pl.wgmma, rq.argmax, p, rq.dim, item0, n, flags, dev.sm_count, st);
         }
       }
+    } else if (pl.family == plan::Family::kPacked) {
+      if constexpr (kIs16Bit<T>)
+        run_packed<T>(pl.packed, rq.argmax, p, item0, n, st);
+      else
+        MAXSIM_CHECK(false, "maxsim: the packed kernel takes 16-bit tokens");
     } else if (pl.family == plan::Family::kMma) {
       if constexpr (std::is_same<T, float>::value) {
         if (pl.split) {  // fp32 at the default precision: split 3xTF32

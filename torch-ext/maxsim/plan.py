@@ -52,7 +52,7 @@ def explain(Q: Tensor, D: Tensor, q_mask: Optional[Tensor] = None, d_mask: Optio
     """The CUDA forward plan of ``maxsim.maxsim(Q, D, q_mask, d_mask, normalize=, precision=)``.
 
     Returns a dict with ``family`` (``"stream"``, ``"stream_wg"``, ``"mma"``,
-    ``"wgmma"``, ``"simt"`` or ``"none"``) and the plan's integers (e.g.
+    ``"wgmma"``, ``"simt"``, ``"packed"`` or ``"none"``) and the plan's integers (e.g.
     ``cfg``, ``splits``, ``grid``; ``split`` 1 on ``"mma"`` when fp32 tokens
     take split 3xTF32 products, 0 for one TF32 product or 16/8-bit tokens).
     On a CUDA tensor with no override the plan is the device's own (its occupancy included). ``arch`` (``"9.0a"``,
@@ -84,7 +84,7 @@ def explain(Q: Tensor, D: Tensor, q_mask: Optional[Tensor] = None, d_mask: Optio
     return plan
 
 
-FAMILIES = ("stream", "stream_wg", "mma", "wgmma", "simt")
+FAMILIES = ("stream", "stream_wg", "mma", "wgmma", "simt", "packed")
 
 
 @contextmanager

@@ -1,0 +1,182 @@
+"""Many short documents: scores and argmax against an fp64 oracle on every
+device; on CUDA the packed short-document kernel (``plan::Family::kPacked``)
+is checked to be the planner's choice for several queries over many short
+shared documents, and forced (``maxsim.forcing("packed")``) for the layouts
+it also serves: odd document lengths 1-127, lengths including 0, token masks
+with holes, NaN tokens, ties, documents straddling column tiles and CTAs,
+and CUDA-graph capture."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from conftest import assert_close, capture_cuda_graph, lengths_mask, rand
+
+SHORT_DTYPES = [torch.float16, torch.bfloat16]
+
+
+def _packed_on(ms, device):
+    """Force the packed kernel on CUDA (a no-op elsewhere)."""
+    return ms.forcing("packed") if device == "cuda" else contextlib.nullcontext()
+
+
+def _check_argmax_cross(Q, Dp, dmask, qlen, am):
+    """Cross layout: the chosen token attains the row max over the valid
+    tokens (within 1e-5 of fp64), -1 where no token counts; ties can only be
+    checked where values are distinct, so equal maxima are tested apart."""
+    sims = torch.einsum("qid,njd->qnij", Q.double().cpu(), Dp.double().cpu())
+    sims = sims.masked_fill(~dmask.cpu()[None, :, None, :], float("-inf"))
+    best = sims.max(dim=3).values
+    has = dmask.cpu().any(dim=1)[None, :, None] & lengths_mask(qlen.cpu(), Q.shape[1])[:, None, :]
+    am = am.cpu().long()
+    assert torch.all(am[~has] == -1)
+    got = torch.gather(sims, 3, am.clamp(min=0)[..., None])[..., 0]
+    assert torch.all(((got - best).abs() <= 1e-5 * best.abs().clamp_min(1.0))[has]), "argmax misses the max"
+
+
+@pytest.mark.parametrize("dtype", SHORT_DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("ld", [1, 3, 7, 15, 17, 33, 65, 127])
+def test_shared_short_documents(ms, device, dtype, ld):
+    """Several queries x many padded documents with prefix lengths (0
+    included) and holes: the planner's own path (packed on CUDA for
+    ld <= 32), then forced packed for every length."""
+    dim = 64 if ld in (3, 17, 65) else 128
+    g = torch.Generator().manual_seed(ld)
+    nq, lq, nd = 9, 17, 701  # 17 rows -> 32-row slots, 4 per tile: a part-filled second M tile
+    Q = rand(nq, lq, dim, dtype=dtype, device=device, gen=g)
+    D = rand(nd, ld, dim, dtype=dtype, device=device, gen=g)
+    dlen = torch.randint(0, ld + 1, (nd,), generator=g)
+    dlen[:3] = torch.tensor([0, ld, 1])
+    dm = lengths_mask(dlen, ld) & (torch.rand(nd, ld, generator=g) > 0.15)
+    qm = lengths_mask(torch.randint(1, lq + 1, (nq,), generator=g), lq) & (torch.rand(nq, lq, generator=g) > 0.1)
+    qm[:, 0] = True
+    qm, dm = qm.to(device), dm.to(device)
+    ref = ms.maxsim_reference(Q, D, qm, dm)
+    if device == "cuda" and ld <= 32:
+        assert ms.explain(Q, D)["family"] == "packed"
+    assert_close(ms.maxsim(Q, D, qm, dm), ref, dtype)
+    with _packed_on(ms, device):
+        assert_close(ms.maxsim(Q, D, qm, dm), ref, dtype)
+        assert_close(ms.maxsim(Q, D), ms.maxsim_reference(Q, D), dtype)
+
+
+@pytest.mark.parametrize("dtype", SHORT_DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("nq,lq", [(33, 8), (4, 32), (130, 1)])
+def test_ragged_packed_documents_with_argmax(ms, device, dtype, nq, lq):
+    """score_contrastive over 900 packed documents of 0-48 tokens (so the
+    document table of a CTA and the column tiles end mid-document) with
+    query lengths; scores and argmax."""
+    g = torch.Generator().manual_seed(nq + lq)
+    nd, dim = 900, 128
+    dlens = torch.randint(0, 49, (nd,), generator=g)
+    dlens[10:14] = 0
+    dlens[700] = 130  # one document longer than two column tiles
+    doff = torch.cat([torch.zeros(1, dtype=torch.long), dlens.cumsum(0)])
+    qlen = torch.randint(1, lq + 1, (nq,), generator=g)
+    Q = rand(nq, lq, dim, dtype=dtype, device=device, gen=g)
+    d = rand(int(doff[-1]), dim, dtype=dtype, device=device, gen=g)
+    ld = int(dlens.max())
+    dmask = lengths_mask(dlens, ld)
+    Dp = torch.zeros(nd, ld, dim, dtype=dtype)
+    Dp[dmask] = d.cpu()
+    ref = ms.maxsim_reference(Q.cpu(), Dp, lengths_mask(qlen, lq), dmask)
+    with _packed_on(ms, device):
+        out = ms.score_contrastive(Q, d, doff.to(device), qlen.to(device))
+        s2, am = ms.score_contrastive_with_argmax(Q, d, doff.to(device), qlen.to(device))
+    assert_close(out, ref, dtype)
+    assert_close(s2, ref, dtype)
+    assert am.shape == (nq, nd, lq)
+    assert torch.all(out.cpu()[:, dlens == 0] == 0)
+    _check_argmax_cross(Q, Dp, dmask, qlen, am)
+
+
+@pytest.mark.parametrize("dtype", SHORT_DTYPES, ids=["fp16", "bf16"])
+def test_candidates_with_lengths(ms, device, dtype):
+    """Per-query candidates (GROUPED) with document lengths, forced packed:
+    each CTA takes part of one query's candidates."""
+    g = torch.Generator().manual_seed(5)
+    B, K, lq, ld, dim = 6, 333, 24, 24, 128
+    Q = rand(B, lq, dim, dtype=dtype, device=device, gen=g)
+    D = rand(B, K, ld, dim, dtype=dtype, device=device, gen=g)
+    qlen = torch.randint(1, lq + 1, (B,), generator=g)
+    dlen = torch.randint(0, ld + 1, (B, K), generator=g)
+    ref = ms.maxsim_reference(Q, D, lengths_mask(qlen, lq), lengths_mask(dlen, ld).view(B, K, ld))
+    with _packed_on(ms, device):
+        if device == "cuda":
+            assert ms.explain(Q, D, force="packed")["family"] == "packed"
+        out = ms.score_candidates_padded(Q, D, qlen.to(device), dlen.to(device))
+        s2, am = ms.score_candidates_padded_with_argmax(Q, D, qlen.to(device), dlen.to(device))
+    assert_close(out, ref, dtype)
+    assert_close(s2, ref, dtype)
+    for b in range(B):
+        _check_argmax_cross(Q[b:b + 1], D[b], lengths_mask(dlen[b], ld), qlen[b:b + 1], am[b:b + 1])
+
+
+@pytest.mark.parametrize("dtype", SHORT_DTYPES, ids=["fp16", "bf16"])
+def test_nan_ties_and_invalid(ms, device, dtype):
+    """A NaN token makes its document's scores NaN (unless masked); equal
+    maxima pick the lowest index; an invalid length makes its pair NaN."""
+    g = torch.Generator().manual_seed(3)
+    nq, lq, nd, ld, dim = 6, 32, 300, 8, 128
+    Q = rand(nq, lq, dim, dtype=dtype, device=device, gen=g)
+    D = rand(nd, ld, dim, dtype=dtype, device=device, gen=g)
+    D[17, 5, 3] = float("nan")
+    D[40, 2, 0] = float("nan")
+    dm = torch.ones(nd, ld, dtype=torch.bool)
+    dm[40, 2] = False
+    D[99] = D[99, 2].clone()  # all tokens equal: argmax 0
+    D[98, 4:] = D[98, 3].clone() * 4  # tokens 3 (scaled) < 4 == 5 == 6 == 7 in magnitude: ties from 4
+    with _packed_on(ms, device):
+        s = ms.maxsim(Q, D, None, dm.to(device)).cpu()
+        docs = D.reshape(nd * ld, dim)
+        off = torch.arange(0, nd * ld + 1, ld, device=device)
+        s2, am = ms.score_contrastive_with_argmax(Q, docs, off)
+    assert torch.isnan(s[:, 17]).all() and torch.isnan(s2.cpu()[:, 17]).all()
+    keep = torch.ones(nd, dtype=torch.bool)
+    keep[17] = False
+    ref = ms.maxsim_reference(Q, D, None, dm.to(device))
+    assert_close(s[:, keep], ref.cpu()[:, keep], dtype)
+    assert torch.all(am.cpu()[:, 99] == 0)
+    a98 = am.cpu()[:, 98]
+    assert torch.all(a98 <= 4), a98  # never a later tie (5, 6, 7)
+    dlen = torch.full((nq, 50), ld, device=device)
+    dlen[1, 7] = -1  # an invalid length: that pair only is NaN
+    with _packed_on(ms, device):
+        s3 = ms.score_candidates_padded(Q, D[:nq * 50].reshape(nq, 50, ld, dim), None, dlen).cpu()
+    nan = torch.zeros(nq, 50, dtype=torch.bool)
+    nan[1, 7] = nan[0, 17] = nan[0, 40] = True  # and query 0's candidates 17 and 40 hold NaN tokens
+    assert torch.equal(torch.isnan(s3), nan)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
+def test_packed_under_cuda_graph(ms):
+    g = torch.Generator().manual_seed(9)
+    Q = rand(40, 32, 128, dtype=torch.bfloat16, device="cuda", gen=g)
+    D = rand(3000, 12, 128, dtype=torch.bfloat16, device="cuda", gen=g)
+    assert ms.explain(Q, D)["family"] == "packed"
+    eager = ms.maxsim(Q, D)
+    graph, out = capture_cuda_graph(lambda: ms.maxsim(Q, D))
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    assert_close(eager, ms.maxsim_reference(Q, D), torch.bfloat16)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
+def test_packed_many_documents_per_cta(ms):
+    """Enough documents that each CTA's document table spans every thread's
+    entries (hundreds of documents) and the last CTA a partial one."""
+    g = torch.Generator().manual_seed(12)
+    Q = rand(300, 1, 64, dtype=torch.float16, device="cuda", gen=g)  # one-row queries: 128 per tile
+    D = rand(90001, 2, 64, dtype=torch.float16, device="cuda", gen=g)
+    p = ms.explain(Q, D)
+    assert p["family"] == "packed" and p["dpc"] > 256 and p["rows"] == 1, p
+    assert p["dpc"] * p["cpg"] > 90001 > p["dpc"] * (p["cpg"] - 1), p
+    ref = ms.maxsim_reference(Q, D)
+    out = ms.maxsim(Q, D)
+    assert not torch.isnan(out).any()
+    assert_close(out, ref, torch.float16)
