@@ -275,14 +275,14 @@ namespace detail {
 
 inline int blocks(const DeviceFacts& dev, const KernelId& k) { return dev.blocks_per_sm ? dev.blocks_per_sm(k) : 1; }
 
-// Whether the register-streaming kernel takes the call (max_lq: 128 for the
+// Whether the streaming kernels take the call's shape (max_lq: 128 for the
 // staged wgmma stream's longer queries). normalize stays on the tile kernels
 // (the mma.sync kernel derives the documents' norms from its fragments); fp8
-// needs sm_89+.
+// needs sm_89+. Of the two, only the staged wgmma stream writes argmax rows.
 inline bool stream_shape_ok(const Request& r, bool scaled, int arch, int64_t max_lq) {
   const bool b16 = is_16bit(r.dtype);
   const bool b8 = r.dtype == Dtype::kI8 || (r.dtype == Dtype::kE4M3 && arch >= 89);
-  if (!(b16 || b8) || r.argmax || scaled || r.lq < 1 || r.lq > max_lq) return false;
+  if (!(b16 || b8) || scaled || r.lq < 1 || r.lq > max_lq) return false;
   const int64_t rb = r.dim * elem_size(r.dtype);
   if (rb != 64 && rb != 128 && rb != 192 && rb != 256) return false;
   if (b8 && !r.quant) return false;
@@ -526,7 +526,7 @@ inline Plan plan_forward(const Request& r, const DeviceFacts& dev) {
   const bool forced = r.force != Family::kNone;
 
   if (r.layout == kKeys) {  // rescore_topk: the streaming kernel from the keys, else the composition
-    const bool takes = is_16bit(r.dtype) && r.lq >= 1 && r.lq <= 32 && r.P >= 1 &&
+    const bool takes = is_16bit(r.dtype) && !r.argmax && r.lq >= 1 && r.lq <= 32 && r.P >= 1 &&
                        r.P <= std::numeric_limits<int32_t>::max() && dev.arch >= 80 && mean_ld <= kStreamMaxMeanLd &&
                        stream_shape_ok(r, false, dev.arch, 32);
     if (takes)
@@ -563,7 +563,7 @@ inline Plan plan_forward(const Request& r, const DeviceFacts& dev) {
     pl.stream.qextent = by_position && r.Nq > 0 && r.Tq % r.Nq == 0 ? r.Tq / r.Nq : 0;
     if (r.force != Family::kStream && stream_wg_ok(r, dev.arch)) {
       const int ks = rb == 128 ? 4 : 8, nq = stream_wg_nq(r.lq);
-      KernelId k{Family::kStreamWg, r.dtype};
+      KernelId k{Family::kStreamWg, r.dtype, r.argmax};
       k.ks = ks;
       k.rows = nq;
       const int64_t wave = (int64_t)std::max(blocks(dev, k), 1) * dev.sm_count;
@@ -572,8 +572,10 @@ inline Plan plan_forward(const Request& r, const DeviceFacts& dev) {
         return pl;
       }
     }
-    plan_stream(pl, r, dev, mean_ld);
-    return pl;
+    if (!r.argmax) {
+      plan_stream(pl, r, dev, mean_ld);
+      return pl;
+    }
   }
   // Queries of 33-128 rows, one query or candidates: the staged wgmma stream
   // before the tile kernels.
@@ -581,7 +583,7 @@ inline Plan plan_forward(const Request& r, const DeviceFacts& dev) {
   if (want_long && r.lq > 32 && mean_ld <= kStreamMaxMeanLd && stream_shape_ok(r, pl.scaled, dev.arch, 128) &&
       stream_wg_ok(r, dev.arch)) {
     const int ks = rb == 128 ? 4 : 8, nq = stream_wg_nq(r.lq);
-    KernelId k{Family::kStreamWg, r.dtype};
+    KernelId k{Family::kStreamWg, r.dtype, r.argmax};
     k.ks = ks;
     k.rows = nq;
     const int64_t wave = (int64_t)std::max(blocks(dev, k), 1) * dev.sm_count;
