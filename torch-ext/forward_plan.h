@@ -467,8 +467,8 @@ inline bool packed_ok(const Request& r, const DeviceFacts& dev, bool scaled) {
 
 // Where it wins: several queries sharing many short documents (per
 // (query, document) pair the other families pay a 64-column tile; here a
-// document costs its own columns). Its epilogue costs about twice the tile
-// kernels' per column, so documents of 64 tokens go back to them; one query
+// document costs its own columns). Its epilogue costs more per column than
+// the tile kernels', so documents of 64 tokens go back to them; one query
 // and per-query candidates stream (3/4 of this kernel's tile rows would be
 // empty). Measurements: performance.md, many short documents.
 inline bool packed_wins(const Request& r, int64_t mean_ld) {
