@@ -140,13 +140,10 @@ constexpr int stream_wg_smem(int ks, int nq, int nst) { return (nst * kStreamWgT
 // and sums each slot's rows.
 constexpr int kPackedBM = 128, kPackedBN = 64, kPackedThreads = 128;
 constexpr int kPackedStages = 4;
-// Score-tile row stride in floats: odd, so the row-per-thread scan reads
-// distinct banks; 67 keeps the fragment stores at 2-way conflicts.
-constexpr int kPackedSst = kPackedBN + 3;
 constexpr int kPackedMaxDocs = 512;    // documents per CTA, at most
 constexpr int64_t kPackedMaxMeanLd = 32;  // the rule's mean document length, at most
 constexpr int64_t packed_smem(int ks) {
-  return (int64_t)kPackedStages * kPackedBN * ks * 32 + (int64_t)kPackedBM * kPackedSst * 4;
+  return (int64_t)(kPackedStages * kPackedBN + kPackedBM) * ks * 32;  // tile ring, query staging
 }
 // Query rows per slot: the power of two >= lq (lq <= 32).
 constexpr int packed_rows(int64_t lq) {
@@ -470,8 +467,8 @@ inline bool packed_ok(const Request& r, const DeviceFacts& dev, bool scaled) {
 
 // Where it wins: several queries sharing many short documents (per
 // (query, document) pair the other families pay a 64-column tile; here a
-// document costs its own columns). Its epilogue costs about twice the tile
-// kernels' per column, so documents of 64 tokens go back to them; one query
+// document costs its own columns). Its epilogue costs more per column than
+// the tile kernels', so documents of 64 tokens go back to them; one query
 // and per-query candidates stream (3/4 of this kernel's tile rows would be
 // empty). Measurements: performance.md, many short documents.
 inline bool packed_wins(const Request& r, int64_t mean_ld) {
