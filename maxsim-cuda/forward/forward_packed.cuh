@@ -48,14 +48,19 @@ __device__ __forceinline__ uint32_t packed_swz(int r, int c) {
 // acc[.][k / 2][. + k % 2] are its stream columns 16 q + k, k = 0..15.
 __device__ __forceinline__ int packed_stream_col(int n) { return ((n & 7) >> 1) * 16 + (n >> 3) * 2 + (n & 1); }
 
-// A running (max, argmax) state absorbing an earlier one (the carry of the
-// columns before): ties and NaNs go to the lower column.
+// (b, i) becomes the (max, argmax) of an earlier run of columns (eb, ei)
+// followed by (b, i), as upd_arg would have scanned them: the later state
+// wins only with a larger value or a NaN after a number (an empty state is
+// -inf). Branch-free: selects only.
 template <bool ARG>
-__device__ __forceinline__ void packed_merge(float& b, int& i, float cb, int ci) {
-  if (ARG)
-    merge_arg(b, i, cb, ci);
-  else
-    b = max_nan(cb, b);
+__device__ __forceinline__ void packed_after(float eb, int ei, float& b, int& i) {
+  if (ARG) {
+    const bool later = b != b ? eb == eb : b > eb;
+    b = later ? b : eb;
+    i = later ? i : ei;
+  } else {
+    b = max_nan(eb, b);
+  }
 }
 
 template <typename T, int KS, bool ARG>
@@ -364,18 +369,15 @@ __global__ void __launch_bounds__(kPackedThreads, 2) packed_fwd_kernel(FwdParams
         int in_i = -1, run_i = ci[i][h];
 #pragma unroll
         for (int t = 0; t < 4; ++t) {
-          const float tb = __shfl_sync(0xffffffffu, b, (lane & ~3) | t);
-          const int ti = ARG ? __shfl_sync(0xffffffffu, bi, (lane & ~3) | t) : -1;
+          float tb = __shfl_sync(0xffffffffu, b, (lane & ~3) | t);
+          int ti = ARG ? __shfl_sync(0xffffffffu, bi, (lane & ~3) | t) : -1;
           if (t == q) {
             in_b = run_b;
             in_i = run_i;
           }
-          if (hs[t]) {
-            run_b = tb;
-            run_i = ti;
-          } else {
-            packed_merge<ARG>(run_b, run_i, tb, ti);
-          }
+          if (!hs[t]) packed_after<ARG>(run_b, run_i, tb, ti);
+          run_b = tb;
+          run_i = ti;
         }
         cb[i][h] = run_b;
         ci[i][h] = run_i;
@@ -384,7 +386,7 @@ __global__ void __launch_bounds__(kPackedThreads, 2) packed_fwd_kernel(FwdParams
         const bool live = slot_live(slot);
 #pragma unroll
         for (int k = 0; k < 16; ++k) {
-          if ((head_end >> k) & 1u) packed_merge<ARG>(ev[k], ei[k], in_b, in_i);
+          if ((head_end >> k) & 1u) packed_after<ARG>(in_b, in_i, ev[k], ei[k]);
           const bool use = rc[i][h] && ev[k] != neg_inf();
           ps[k] += use ? ev[k] : 0.f;
           if (ARG && ((en16 >> k) & 1u) && live && qi < p.lq) {
