@@ -32,6 +32,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
+#include <cstdlib>
 
 #include "backward_kernels.cuh"
 #include "../common/dtype_dispatch.cuh"
@@ -188,9 +189,9 @@ void plan_dd_one_pair(BwdParams& p, int64_t slots, int NG, size_t& smem, int64_t
 }
 
 // Every document in one pair: GROUPED, or CROSS with one query.
-// The staged entries stay within the default 48 KB of shared memory.
+// Queries of up to kMaxOnePairLq rows (their entries staged in one pass).
 bool one_pair_docs(const BwdParams& p) {
-  return (p.layout == kGrouped || (p.layout == kCross && p.Nq == 1)) && dd_one_pair_smem(p.lq) <= 48 * 1024;
+  return (p.layout == kGrouped || (p.layout == kCross && p.Nq == 1)) && p.lq <= kMaxOnePairLq;
 }
 
 template <class T, class A, int VEC, class O>
@@ -207,8 +208,9 @@ void launch(BwdParams& p, bool do_dq, bool do_dd, int NG, cudaStream_t st) {
     if (n_dq > 0 && n_dq + n_dd <= kMaxGrid) {
       const size_t smem = std::max(smem_dq, smem_dd);
       set_dqdd_one_pair_smem<T, A, VEC, O>(smem);
+      static const int dq_first = std::getenv("DEVTMP_DQ_FIRST") != nullptr;
       launch_pdl(dqdd_one_pair_kernel<T, A, VEC, O>, dim3((unsigned)(n_dq + n_dd)), dim3(kThreads), smem, st, p,
-                 (int)n_dd);
+                 (int)(dq_first ? n_dq : n_dd), dq_first);
       return;
     }
     for (int64_t i0 = 0; i0 < n_dq; i0 += kMaxGrid) {

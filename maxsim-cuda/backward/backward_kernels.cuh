@@ -760,6 +760,7 @@ __device__ __forceinline__ void dd_cta(const BwdParams& p, int64_t item) {
 // from registers: per row a warp ballot over the entries finds the hits,
 // summed in entry order (the order dd_cta uses), zeros elsewhere.
 // Dynamic shared memory: dd_one_pair_smem(lq).
+constexpr int kMaxOnePairLq = 4 * kThreads;  // query rows of the one-pair dd (entries staged in one pass)
 __host__ __device__ constexpr size_t dd_one_pair_smem(int64_t lq) { return (size_t)((lq + 31) / 32 * 32) * 8; }
 
 template <class T, class A, int VEC, class O>
@@ -786,27 +787,35 @@ __device__ __forceinline__ void dd_one_pair_cta(const BwdParams& p, int64_t item
   int* e_row = reinterpret_cast<int*>(smem);       // [lq32] document row hit by entry i, -1: none
   float* e_g = reinterpret_cast<float*>(e_row + lq32);  // [lq32] its grad (x the query row's scale)
 
-  const int drows = seg_rows(p.d_start, p.d_len, j, kNoWidth, p.Td);
-  const int64_t ds = p.d_start[j];
+  // The pair and its query come from the layout (no loads), so the
+  // segments, the grad and the entries load in one round trip.
   int64_t plo = 0, pr = 0, n = 0;
-  const bool has = drows > 0 && doc_pairs(p, j, plo) == 1 && doc_pair(p, j, 0, plo, pr, n);
-  int qs = 0, qrows = -1;
+  const bool pair_ok = doc_pair(p, j, 0, plo, pr, n);
+  const int64_t dlen = p.d_len[j], ds = p.d_start[j];
+  int64_t qlen = -1, qs = 0;
   float g = 0.f;
-  if (has) {
+  if (pair_ok) {
+    qlen = p.q_len[n];
     qs = p.q_start[n];
-    qrows = seg_rows_of(p.q_len[n], qs, lq, p.Tq);
     g = p.grad[pr];
   }
-  for (int i = tid; i < lq32; i += kThreads) {
-    int a = -1;
-    float gi_ = 0.f;
-    if (i < qrows) {
-      a = (int)am[pr * lq + i];
-      if (a >= drows) a = -1;
-      gi_ = p.q_scale != nullptr ? g * p.q_scale[qs + i] : g;
+  constexpr int kPer = kMaxOnePairLq / kThreads;  // entries per thread
+  int a_in[kPer];
+#pragma unroll
+  for (int u = 0; u < kPer; ++u) {
+    const int i = tid + u * kThreads;
+    a_in[u] = pair_ok && i < lq ? (int)am[pr * lq + i] : -1;
+  }
+  const int drows = seg_rows_of(dlen, ds, kNoWidth, p.Td);
+  const int qrows = pair_ok && drows > 0 ? seg_rows_of(qlen, qs, lq, p.Tq) : -1;
+#pragma unroll
+  for (int u = 0; u < kPer; ++u) {
+    const int i = tid + u * kThreads;
+    if (i < lq32) {
+      const bool hit = i < qrows && a_in[u] >= 0 && a_in[u] < drows;
+      e_row[i] = hit ? a_in[u] : -1;
+      e_g[i] = hit ? (p.q_scale != nullptr ? g * p.q_scale[qs + i] : g) : 0.f;
     }
-    e_row[i] = a;
-    e_g[i] = gi_;
   }
   __syncthreads();
 
@@ -876,13 +885,13 @@ __global__ void __launch_bounds__(kThreads, 2) dqdd_kernel(const BwdParams p, in
 }
 
 template <class T, class A, int VEC, class O>
-__global__ void __launch_bounds__(kThreads, 3) dqdd_one_pair_kernel(const BwdParams p, int n_dd) {
+__global__ void __launch_bounds__(kThreads, 3) dqdd_one_pair_kernel(const BwdParams p, int n_first, int dq_first) {
   pdl_wait();
   const int b = (int)blockIdx.x;
-  if (b < n_dd)
-    dd_one_pair_cta<T, A, VEC, O>(p, b);
+  if ((b < n_first) != (dq_first != 0))
+    dd_one_pair_cta<T, A, VEC, O>(p, dq_first ? b - n_first : b);
   else
-    dq_cta<T, A, VEC, O>(p, b - n_dd);
+    dq_cta<T, A, VEC, O>(p, dq_first ? b : b - n_first);
 }
 
 }  // namespace cuda_bwd

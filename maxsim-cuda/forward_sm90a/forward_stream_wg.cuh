@@ -14,7 +14,8 @@
 // tokens at the end; the score is the sum over query rows in the order of
 // the mma.sync stream's epilogue. ARG also keeps each column's argmax (a
 // thread visits its tokens in increasing order; partial states merge under
-// merge_arg's total order), the training forward of per-query candidates.
+// merge_arg's total order, as 64-bit keys), the training forward of
+// per-query candidates.
 // No normalize, no 8-bit tokens.
 #pragma once
 
@@ -77,6 +78,25 @@ __device__ __forceinline__ void cp_async_pol(uint32_t dst, const void* src, int 
                : "memory");
 }
 #endif  // MAXSIM_WG_DEVICE
+
+// A (max, argmax) state as one 64-bit key whose unsigned maximum is
+// merge_arg's total order: the value's order-preserving bits above the
+// complemented index (NaN highest, then larger values, then lower indices;
+// -0 counts as +0 as in merge_arg's compare; 0: the empty state). The
+// epilogue's 3 shuffle rounds and the cross-warp merge are then a
+// branch-free 64-bit max each.
+__device__ __forceinline__ uint64_t arg_key(float v, int i) {
+  const uint32_t b = __float_as_uint(v + 0.f);
+  const uint32_t o = v != v ? 0xffffffffu : (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+  return i < 0 ? 0ull : ((uint64_t)o << 32) | (uint32_t)~i;
+}
+__device__ __forceinline__ void arg_unkey(uint64_t k, float& v, int& i) {
+  const uint32_t o = (uint32_t)(k >> 32);
+  v = k == 0ull ? neg_inf() : o == 0xffffffffu ? __uint_as_float(0x7fffffffu)
+                                               : __uint_as_float((o & 0x80000000u) ? (o & 0x7fffffffu) : ~o);
+  i = k == 0ull ? -1 : (int)~(uint32_t)k;
+}
+__device__ __forceinline__ uint64_t max_u64(uint64_t a, uint64_t b) { return a > b ? a : b; }
 
 using plan::kStreamWgThreads;  // one warpgroup
 using plan::kStreamWgTokens;   // tokens per stage (wgmma M)
@@ -212,26 +232,24 @@ __global__ void __launch_bounds__(kStreamWgThreads) stream_wg_kernel(const FwdPa
   // through a stage no wgmma reads any more: stage nst - 2's chain retired
   // before every thread passed the barrier of stage nst - 1 (and with fewer
   // than two stages, one was never filled).
-#pragma unroll
-  for (int i = 0; i < NA / 2; ++i)
-#pragma unroll
-    for (int o = 4; o < 32; o <<= 1) {
-      const float ob = __shfl_xor_sync(0xffffffffu, best[i], o);
-      if constexpr (ARG)
-        merge_arg(best[i], bidx[i], ob, __shfl_xor_sync(0xffffffffu, bidx[i], o));
-      else
-        best[i] = max_nan(best[i], ob);
-    }
   float* red = reinterpret_cast<float*>(wg_smem + ((nst + NST - 2) % NST) * SB);  // [4][NQ]
-  int* red_i = reinterpret_cast<int*>(red + 4 * NQ);                               // [4][NQ] (ARG)
-  if (g == 0)
+  uint64_t* red_k = reinterpret_cast<uint64_t*>(red);                              // [4][NQ] (ARG)
+  if constexpr (ARG) {
 #pragma unroll
-    for (int j = 0; j < NQ / 8; ++j)
+    for (int i = 0; i < NA / 2; ++i) {
+      uint64_t k = arg_key(best[i], bidx[i]);
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        red[warp * NQ + 8 * j + 2 * c + e] = best[2 * j + e];
-        if constexpr (ARG) red_i[warp * NQ + 8 * j + 2 * c + e] = bidx[2 * j + e];
-      }
+      for (int o = 4; o < 32; o <<= 1) k = max_u64(k, __shfl_xor_sync(0xffffffffu, k, o));
+      if (g == 0) red_k[warp * NQ + 8 * (i / 2) + 2 * c + (i % 2)] = k;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < NA / 2; ++i) {
+#pragma unroll
+      for (int o = 4; o < 32; o <<= 1) best[i] = max_nan(best[i], __shfl_xor_sync(0xffffffffu, best[i], o));
+      if (g == 0) red[warp * NQ + 8 * (i / 2) + 2 * c + (i % 2)] = best[i];
+    }
+  }
   __syncthreads();
   if (warp == 0) {
     // Lane l sums query rows l, l + 32, ... (one row for lq <= 32: the
@@ -244,10 +262,8 @@ __global__ void __launch_bounds__(kStreamWgThreads) stream_wg_kernel(const FwdPa
       int vi = -1;
       if (row < NQ) {
         if constexpr (ARG) {
-          v = red[row];
-          vi = red_i[row];
-#pragma unroll
-          for (int w = 1; w < 4; ++w) merge_arg(v, vi, red[w * NQ + row], red_i[w * NQ + row]);
+          arg_unkey(max_u64(max_u64(red_k[row], red_k[NQ + row]), max_u64(red_k[2 * NQ + row], red_k[3 * NQ + row])),
+                    v, vi);
         } else {
           v = max_nan(max_nan(red[row], red[NQ + row]), max_nan(red[2 * NQ + row], red[3 * NQ + row]));
         }
