@@ -270,6 +270,53 @@ def test_plaid_corpus_search_recall(ms, device):
     assert (s_o - s_e).abs().max().item() < 1e-3  # exact scores of the originals (cosine)
 
 
+def _planted(N, L, d, gen, topics=60, W=16, per_doc=3, words=4, Nq=12, Lq=32):
+    """A corpus of topics and words (tokens: a word of one of the document's
+    topics plus noise) and queries drawn from a target document's words, as
+    benchmarks/bench_plaid.py generates them: the top-10 is separated."""
+    nrm = torch.nn.functional.normalize
+    tv = nrm(torch.randn(topics, d, generator=gen), dim=-1)
+    vocab = nrm(tv[:, None] + 0.5 * nrm(torch.randn(topics, W, d, generator=gen), dim=-1), dim=-1).reshape(-1, d)
+    dt = torch.randint(0, topics, (N, per_doc), generator=gen)
+    dw = torch.randint(0, W, (N, per_doc, words), generator=gen)
+    slot = torch.randint(0, per_doc, (N, L), generator=gen)
+    wid = dt.gather(1, slot) * W + dw.reshape(N, -1).gather(1, slot * words + torch.randint(0, words, (N, L),
+                                                                                              generator=gen))
+    docs = nrm(vocab[wid] + 0.3 * nrm(torch.randn(N, L, d, generator=gen), dim=-1), dim=-1)
+    target = torch.randperm(N, generator=gen)[:Nq]
+    qw = wid[target[:, None], torch.randint(0, L, (Nq, Lq), generator=gen)]
+    Q = nrm(vocab[qw] + 0.3 * nrm(torch.randn(Nq, Lq, d, generator=gen), dim=-1), dim=-1)
+    return docs, Q, target
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_plaid_search_planted_recall_exact_with_originals(ms, device):
+    """On a corpus whose queries are relevant to a few documents, the
+    approximate stage's candidates (4k of 5000 documents) hold the whole
+    exact top-k, so re-scoring the originals returns the exact top-k; the
+    2-bit re-score finds nearly all of it."""
+    g = torch.Generator().manual_seed(3)
+    docs, Q, target = _planted(5000, 20, 32, g)
+    storage = "cpu" if device == "cpu" else "device"
+    exact = ms.Corpus(docs, device=device, storage=storage)
+    s_ref, ref = ms.search(Q.to(device), exact, 10)
+    assert torch.equal(ref[:, 0].cpu(), target)  # the planted document ranks first
+    keep = ms.Corpus(docs, device=device, storage=storage, quantization="plaid", nbits=2, rescore="device",
+                     plaid={"num_centroids": 256})
+    s, ids = ms.search(Q.to(device), keep, 10, candidates=40)
+    assert torch.equal(ids.cpu(), ref.cpu())
+    assert (s - s_ref).abs().max().item() < 1e-3
+    # the approximate scores alone rank the planted document first
+    qcs = keep.plaid.centroids @ torch.nn.functional.normalize(Q.to(device).float(), dim=-1).transpose(1, 2)
+    approx = ms.plaid.approx_scores(qcs, keep.plaid.codes, cu_seqlens=torch.arange(0, 5001 * 20, 20,
+                                                                                      device=device))
+    assert torch.equal(approx.argmax(1).cpu(), target)
+    keep.originals = None
+    _, ids2 = ms.search(Q.to(device), keep, 10, candidates=40)
+    hit = sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(ids2.cpu(), ref.cpu())) / ref.numel()
+    assert hit >= 0.8, hit
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_from_plaid_wraps_without_copy(ms, device):
     codes, res, cent, bw = _codec(ms, 50, 16, 8, 2, device)

@@ -412,20 +412,25 @@ class PlaidIndex:
 
     @classmethod
     def build(cls, tokens: Tensor, starts: Tensor, lengths: Tensor, nbits: int, *, centroids: Optional[Tensor] = None,
-              num_centroids: Optional[int] = None, kmeans_iters: int = 10, sample: int = 1 << 18,
+              num_centroids: Optional[int] = None, kmeans_iters: int = 10, sample: Optional[int] = None,
               seed: int = 0) -> "PlaidIndex":
         """Compress ``tokens [T, d]`` (on their device): k-means centroids
         (``num_centroids``, default ``2^round(log2(16 sqrt(T)))`` as ColBERTv2,
-        trained on ``sample`` tokens) unless given, buckets from the residuals
-        of the sample, then codes and packed residuals."""
+        trained on ``sample`` tokens, default ``max(2^18, 16 x centroids)``)
+        unless given, buckets from the residuals of the sample, then codes and
+        packed residuals."""
+        import math
+
         _check_nbits(nbits)
         T = tokens.shape[0]
+        k = num_centroids or 2 ** max(1, round(math.log2(16 * math.sqrt(max(T, 1)))))
+        # A few sample tokens per centroid leave most centroids on single
+        # tokens and the residuals larger: 16 per centroid at least.
+        sample = sample or max(1 << 18, 16 * k)
         g = torch.Generator(device="cpu").manual_seed(seed)
         pick = torch.randperm(T, generator=g)[: min(T, sample)].to(tokens.device)
         train = tokens[pick].float()
         if centroids is None:
-            import math
-            k = num_centroids or 2 ** max(1, round(math.log2(16 * math.sqrt(max(T, 1)))))
             centroids = kmeans(train, k, iters=kmeans_iters, seed=seed)
         centroids = centroids.to(tokens.device).float()
         r = train - centroids[nearest_centroid(train, centroids).long()]
