@@ -287,7 +287,7 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="small sizes (CPU or GPU, seconds)")
     ap.add_argument("--only", default="rerank,approx,search,head")
     ap.add_argument("--search", default=None,
-                    help="search corpora as DOCSxTOKENS,... (default 100000x300,1000000x32; tiny 200x60)")
+                    help="search corpora as DOCSxTOKENS,... (default 1000000x32,100000x300; tiny 200x60)")
     ap.add_argument("--search-docs", type=int, default=None, help="one search corpus of this many 300-token docs")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -319,19 +319,19 @@ def main():
             print(f"wrote {out}")
         print(f"-- {time.perf_counter() - t_start:.0f} s", flush=True)
 
+    if "search" in only:
+        spec = args.search or (f"{args.search_docs}x{LD}" if args.search_docs else
+                               ("200x60" if tiny else "1000000x32,100000x300"))
+        for i, part in enumerate(spec.split(",")):
+            n, ld = (int(v) for v in part.split("x"))
+            bench_search(ms, rows, dev, run, n, ld, 8 if tiny else 64, 3 if tiny else 10,
+                         (2, 4) if i == len(spec.split(",")) - 1 else (2,), flush)
     if "rerank" in only:
         bench_rerank(ms, lik, rows, dev, run, [20] if tiny else [1000, 10000], bw_gbs)
         flush()
     if "approx" in only:
         bench_approx(ms, lik, rows, dev, run, 200 if tiny else 1_000_000, bw_gbs)
         flush()
-    if "search" in only:
-        spec = args.search or (f"{args.search_docs}x{LD}" if args.search_docs else
-                               ("200x60" if tiny else "100000x300,1000000x32"))
-        for i, part in enumerate(spec.split(",")):
-            n, ld = (int(v) for v in part.split("x"))
-            bench_search(ms, rows, dev, run, n, ld, 8 if tiny else 64, 3 if tiny else 10,
-                         (2, 4) if i == 0 else (2,), flush)
     if "head" in only:
         if tiny:
             bench_head(ms, lik, rows, dev, run, 2, 8, 40, dm=64)
