@@ -11,8 +11,9 @@ Rows (``workload``, ``impl``, ``ms``, and per row ``floor_ms`` / recall / bytes)
   bytes per token) on a planted corpus (:func:`planted`: topics, words,
   noisy tokens; queries drawn from a target document, :func:`planted_queries`),
   re-scoring the decompressed tokens or the kept originals (``+rescore``),
-  with the default candidates (``max(4 k, 256)``), 1024, or the inverted
-  lists (``-p4``). Two corpora: 100k documents of 300 tokens (30M tokens,
+  with the default candidates (``max(4 k, 256)``), 1024, PLAID's centroid
+  pruning (``-t0.5``: ``centroid_threshold=0.5``) or the inverted lists
+  (``-p4``). Two corpora: 100k documents of 300 tokens (30M tokens,
   exact bf16 7.7 GB) and 1M documents of 32 tokens (the same 32M tokens
   spread over a million documents: 1M documents of 300 tokens need 77 GB of
   bf16 for the exact baseline and the originals, and their build
@@ -236,14 +237,15 @@ def bench_search(ms, rows, dev, run, n, ld, nq, reps, nbits_list=(2, 4), flush=N
         centroids = pc.plaid.centroids
         # the same corpus re-scoring on its decompressed tokens, then on its originals
         originals = pc.originals
-        for cands, nprobe, orig in ((None, None, False), (None, None, True), (1024, None, False), (1024, None, True),
-                                    (None, 4, True)):
+        for cands, nprobe, thr, orig in ((None, None, None, False), (None, None, None, True),
+                                         (None, None, 0.5, False), (None, None, 0.5, True),
+                                         (1024, None, None, False), (1024, None, None, True), (None, 4, None, True)):
             pc.originals = originals if orig else None
-            _, ids = ms.search(Q, pc, 100, candidates=cands, nprobe=nprobe)
+            opts = dict(candidates=cands, nprobe=nprobe, centroid_threshold=thr)
+            _, ids = ms.search(Q, pc, 100, **opts)
             label = ("maxsim-plaid" + (f"-c{cands}" if cands else "") + (f"-p{nprobe}" if nprobe else "")
-                     + ("+rescore-device" if orig else ""))
-            row(rows, f"{wl}-{nbits}b", label,
-                run(lambda: ms.search(Q1, pc, 100, candidates=cands, nprobe=nprobe), reps=reps),
+                     + (f"-t{thr}" if thr else "") + ("+rescore-device" if orig else ""))
+            row(rows, f"{wl}-{nbits}b", label, run(lambda: ms.search(Q1, pc, 100, **opts), reps=reps),
                 recall10=recall(ids, ref, 10), recall100=recall(ids, ref, 100),
                 bytes_per_token=pc.plaid.bytes_per_token, build_s=build_s, centroids=pc.plaid.centroids.shape[0])
         del pc, originals
