@@ -121,8 +121,8 @@ def train_impls(ms, pe, lq, ld):
 
     def op(Q, D):
         if not seg:
-            seg["q"] = ms.lowering.uniform_segments(Q.shape[0], lq, Q.device)
-            seg["d"] = ms.lowering.uniform_segments(D.shape[0], ld, D.device)
+            seg["q"] = ms.lowering.uniform_segments(Q.shape[0], lq, Q)
+            seg["d"] = ms.lowering.uniform_segments(D.shape[0], ld, D)
         return ms.ops.forward_train(Q, *seg["q"], None, D, *seg["d"], None, None, None,
                                     ms.reference.CROSS, lq, 2, 0, False)[0]
 
@@ -259,8 +259,8 @@ def split_row(ms, name, kind, nq, nb, lq, ld, dim, device, dtype, normalize, n):
     D = torch.randn(*shape, generator=g).to(device=device, dtype=dtype).requires_grad_()
     grad = torch.randn(nq, nb, generator=g).to(device)
     ops, sc = ms.ops, ms.scoring
-    q_start, q_len = ms.lowering.uniform_segments(nq, lq, Q.device)
-    d_start, d_len = ms.lowering.uniform_segments(D[..., 0, 0].numel(), ld, Q.device)
+    q_start, q_len = ms.lowering.uniform_segments(nq, lq, Q)
+    d_start, d_len = ms.lowering.uniform_segments(D[..., 0, 0].numel(), ld, Q)
     layout, Lq = (ms.reference.CROSS if kind == "shared" else ms.reference.GROUPED), lq
     args = (Q, q_start, q_len, None, D, d_start, d_len, None, None, None, layout, Lq, 2, 0, normalize)
 

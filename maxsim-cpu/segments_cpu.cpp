@@ -65,4 +65,17 @@ std::vector<at::Tensor> segments_cpu(at::TensorList offsets, at::IntArrayRef tot
   return out;
 }
 
+std::tuple<at::Tensor, at::Tensor> uniform_segments_cpu(const at::Tensor& like, int64_t n, int64_t extent) {
+  TORCH_CHECK(n >= 0, "maxsim: uniform_segments: n must be >= 0");
+  const auto opts = at::TensorOptions().device(like.device()).dtype(at::kInt);
+  at::Tensor start = at::empty({n}, opts), len = at::empty({n}, opts);
+  int32_t* s = start.data_ptr<int32_t>();
+  int32_t* l = len.data_ptr<int32_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    s[i] = (int32_t)(i * extent);
+    l[i] = (int32_t)extent;
+  }
+  return {start, len};
+}
+
 }  // namespace maxsim

@@ -197,6 +197,17 @@ def test_segments_op(ms, device, n, itype):
     assert out[5].cpu().tolist() == [v if _I32[0] <= v <= _I32[1] else -1 for v in ids[:2].tolist()]
 
 
+@pytest.mark.parametrize("n,extent", [(0, 5), (1, 1), (17, 300), (300000, 3), (5, 0)])
+def test_uniform_segments_op(ms, device, n, extent):
+    """ops.uniform_segments (the padded layouts' start / length, one launch
+    on CUDA) against arange, and the Python fallback of builds without it."""
+    like = torch.empty(0, device=device)
+    for start, length in (ms.ops.uniform_segments(like, n, extent), ms.reference.uniform_segments(like, n, extent)):
+        assert start.dtype == length.dtype == torch.int32 and start.device.type == device
+        assert torch.equal(start.cpu(), torch.arange(n, dtype=torch.int32) * extent)
+        assert torch.equal(length.cpu(), torch.full((n,), extent, dtype=torch.int32))
+
+
 def test_pair_id_past_int32_is_nan(ms, device):
     # 2**32 used to wrap onto pair id 0 and score a real pair.
     q, d = rand(4, 8, device=device), rand(5, 8, device=device)

@@ -590,3 +590,47 @@ def test_streaming_split_pairs(ms, device, case):
         ref2 = ms.maxsim_reference(Q, Dn, qm, lengths_mask(dlen.reshape(-1), ld).view(nq, k, ld))
         out2 = ms.score_candidates_padded(Qd, Dn.to(device), qlen.to(device), dlen.to(device))
         assert_close(out2.cpu(), ref2, dtype)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", ["stream_wg", "mma", "wgmma", "simt", "packed"])
+@pytest.mark.parametrize("lq,ld", [(1, 1), (17, 63), (32, 65), (33, 200), (32, 130)])
+def test_argmax_of_each_family(ms, family, lq, ld):
+    """Every family that writes argmax rows, forced: scores and argmax against
+    fp64 with lengths (empty documents too), exact ties resolved to the lower
+    token, and the first NaN token winning its rows."""
+    dtype = torch.bfloat16
+    g = torch.Generator().manual_seed(lq * 1000 + ld)
+    B, K, dim = 3, 5, 128
+    Q = rand(B, lq, dim, dtype=dtype, gen=g)
+    D = rand(B, K, ld, dim, dtype=dtype, gen=g) * 0.25
+    # Pair (0, 1): every query row's best token sits at two positions.
+    j1, j2 = ld // 3, ld - 1
+    D[0, 1, j1] = D[0, 1, j2] = Q[0, 0]
+    Q[0, :] = Q[0, 0]
+    # Pair (1, 2): NaN at two valid tokens; the lower one is every row's argmax.
+    n1, n2 = ld // 2, ld - 1
+    D[1, 2, n2, 5] = D[1, 2, n1, 3] = float("nan")
+    qlen = torch.randint(1, lq + 1, (B,), generator=g)
+    dlen = torch.randint(0, ld + 1, (B, K), generator=g)
+    dlen[0, 1] = dlen[1, 2] = ld
+    dlen[2, 3] = 0
+    Qc, Dc = Q.cuda(), D.cuda()
+    with ms.forcing(family):
+        if ms.explain(Qc.detach().requires_grad_(), Dc)["family"] != family:  # a training plan: argmax
+            pytest.skip(f"{family} cannot take this call on this device")
+        s, am = ms.score_candidates_padded_with_argmax(Qc, Dc, qlen.cuda(), dlen.cuda())
+    ref = ms.maxsim_reference(Q, D, lengths_mask(qlen, lq), lengths_mask(dlen, ld).view(B, K, ld))
+    assert torch.isnan(s[1, 2]) and torch.isnan(ref[1, 2])
+    keep = torch.ones(B, K, dtype=torch.bool)
+    keep[1, 2] = False
+    assert_close(s.cpu()[keep], ref[keep], dtype)
+    am = am.cpu()
+    assert torch.all(am[0, 1, : qlen[0]] == j1), am[0, 1]
+    assert torch.all(am[1, 2, : qlen[1]] == n1), am[1, 2]
+    assert torch.all(am[:, :, :][lengths_mask(qlen, lq)[:, None, :].expand(B, K, lq).logical_not()] == -1)
+    assert torch.all(am[2, 3] == -1)
+    Dn = D.clone()
+    Dn[1, 2] = 0
+    am[1, 2] = torch.where(am[1, 2] >= 0, 0, -1)
+    _check_argmax(Q, Dn, am, qlen, dlen)

@@ -77,11 +77,15 @@ def test_benchmark_train_kernels(ms, name, arch, sms):
 @pytest.mark.parametrize("name", TRAIN_GROUPED)
 @pytest.mark.parametrize("arch,sms", [(90, 132), (80, 108)], ids=["sm90a-132", "sm80-108"])
 def test_benchmark_grouped_train_kernels(ms, name, arch, sms):
-    # Per-query candidates with the argmax the backward needs: 32 query rows
-    # per pair take the 32x64 mma.sync tiles (the streaming kernels keep no
+    # Per-query candidates with the argmax the backward needs: the staged
+    # wgmma stream on sm_90a (one pair per CTA); elsewhere 32 query rows per
+    # pair take the 32x64 mma.sync tiles (the mma.sync stream keeps no
     # argmax), several documents per CTA.
     nq, k, lq, ld = TRAIN_GROUPED[name]
     p = plan(ms, GROUPED, nq, nq * k, lq, ld, arch=arch, sms=sms, argmax=True)
+    if arch == 90:
+        assert (p["family"], p["nq"], p["grid"]) == ("stream_wg", 32, nq * k), p
+        return
     assert (p["family"], p["cfg"], p["bm"], p["row_mode"]) == ("mma", 0, 32, 0), p
     assert p["dpc"] >= 1 and p["items"] * p["dpc"] >= nq * k, p
 
@@ -112,9 +116,11 @@ def test_stream_rules(ms):
     assert plan(ms, CROSS, 4, 500, 32, 300, arch=80)["family"] == "mma"
     # Longer documents than the streaming kernels take: the tile kernels' splits.
     assert plan(ms, CROSS, 1, 8, 32, 8192, arch=80)["family"] == "mma"
-    # argmax, normalize and fp32 never stream.
-    for kw in (dict(argmax=True), dict(normalize=True), dict(dtype=torch.float32)):
+    # normalize and fp32 never stream; argmax rows only on the staged wgmma stream.
+    for kw in (dict(normalize=True), dict(dtype=torch.float32), dict(argmax=True, arch=80)):
         assert plan(ms, CROSS, 1, 1000, 32, 300, **kw)["family"] not in ("stream", "stream_wg"), kw
+    assert plan(ms, CROSS, 1, 1000, 32, 300, argmax=True)["family"] == "stream_wg"
+    assert plan(ms, CROSS, 1, 1000, 32, 32, argmax=True)["family"] == "mma"
     # Rows the streaming kernels cannot read: odd widths, unaligned tokens.
     assert plan(ms, CROSS, 1, 1000, 32, 300, dim=96 // 2 * 3)["family"] == "mma"
     assert plan(ms, CROSS, 1, 1000, 32, 300, align=8)["family"] == "mma"

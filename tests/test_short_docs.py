@@ -64,11 +64,11 @@ def test_shared_short_documents(ms, device, dtype, ld):
 
 
 @pytest.mark.parametrize("dtype", SHORT_DTYPES, ids=["fp16", "bf16"])
-@pytest.mark.parametrize("nq,lq", [(33, 8), (4, 32), (130, 1)])
+@pytest.mark.parametrize("nq,lq", [(33, 8), (4, 32), (130, 1), (21, 12), (45, 3), (64, 2)])
 def test_ragged_packed_documents_with_argmax(ms, device, dtype, nq, lq):
     """score_contrastive over 900 packed documents of 0-48 tokens (so the
     document table of a CTA and the column tiles end mid-document) with
-    query lengths; scores and argmax."""
+    query lengths (slots of 1 to 32 rows); scores and argmax."""
     g = torch.Generator().manual_seed(nq + lq)
     nd, dim = 900, 128
     dlens = torch.randint(0, 49, (nd,), generator=g)

@@ -58,7 +58,7 @@ int model_blocks(const ArchModel& m, const plan::KernelId& k) {
     case plan::Family::kPacked:
       threads = plan::kPackedThreads;
       minb = 2;
-      smem = plan::packed_smem(k.ks) + 10 * 1024;  // + the document and column tables (static)
+      smem = plan::packed_smem(k.ks) + 11 * 1024;  // + the document and column tables (static)
       break;
     default: return 1;
   }

@@ -140,13 +140,10 @@ constexpr int stream_wg_smem(int ks, int nq, int nst) { return (nst * kStreamWgT
 // and sums each slot's rows.
 constexpr int kPackedBM = 128, kPackedBN = 64, kPackedThreads = 128;
 constexpr int kPackedStages = 4;
-// Score-tile row stride in floats: odd, so the row-per-thread scan reads
-// distinct banks; 67 keeps the fragment stores at 2-way conflicts.
-constexpr int kPackedSst = kPackedBN + 3;
 constexpr int kPackedMaxDocs = 512;    // documents per CTA, at most
 constexpr int64_t kPackedMaxMeanLd = 32;  // the rule's mean document length, at most
 constexpr int64_t packed_smem(int ks) {
-  return (int64_t)kPackedStages * kPackedBN * ks * 32 + (int64_t)kPackedBM * kPackedSst * 4;
+  return (int64_t)(kPackedStages * kPackedBN + kPackedBM) * ks * 32;  // tile ring, query staging
 }
 // Query rows per slot: the power of two >= lq (lq <= 32).
 constexpr int packed_rows(int64_t lq) {
@@ -275,14 +272,14 @@ namespace detail {
 
 inline int blocks(const DeviceFacts& dev, const KernelId& k) { return dev.blocks_per_sm ? dev.blocks_per_sm(k) : 1; }
 
-// Whether the register-streaming kernel takes the call (max_lq: 128 for the
+// Whether the streaming kernels take the call's shape (max_lq: 128 for the
 // staged wgmma stream's longer queries). normalize stays on the tile kernels
 // (the mma.sync kernel derives the documents' norms from its fragments); fp8
-// needs sm_89+.
+// needs sm_89+. Of the two, only the staged wgmma stream writes argmax rows.
 inline bool stream_shape_ok(const Request& r, bool scaled, int arch, int64_t max_lq) {
   const bool b16 = is_16bit(r.dtype);
   const bool b8 = r.dtype == Dtype::kI8 || (r.dtype == Dtype::kE4M3 && arch >= 89);
-  if (!(b16 || b8) || r.argmax || scaled || r.lq < 1 || r.lq > max_lq) return false;
+  if (!(b16 || b8) || scaled || r.lq < 1 || r.lq > max_lq) return false;
   const int64_t rb = r.dim * elem_size(r.dtype);
   if (rb != 64 && rb != 128 && rb != 192 && rb != 256) return false;
   if (b8 && !r.quant) return false;
@@ -470,8 +467,8 @@ inline bool packed_ok(const Request& r, const DeviceFacts& dev, bool scaled) {
 
 // Where it wins: several queries sharing many short documents (per
 // (query, document) pair the other families pay a 64-column tile; here a
-// document costs its own columns). Its epilogue costs about twice the tile
-// kernels' per column, so documents of 64 tokens go back to them; one query
+// document costs its own columns). Its epilogue costs more per column than
+// the tile kernels', so documents of 64 tokens go back to them; one query
 // and per-query candidates stream (3/4 of this kernel's tile rows would be
 // empty). Measurements: performance.md, many short documents.
 inline bool packed_wins(const Request& r, int64_t mean_ld) {
@@ -526,7 +523,7 @@ inline Plan plan_forward(const Request& r, const DeviceFacts& dev) {
   const bool forced = r.force != Family::kNone;
 
   if (r.layout == kKeys) {  // rescore_topk: the streaming kernel from the keys, else the composition
-    const bool takes = is_16bit(r.dtype) && r.lq >= 1 && r.lq <= 32 && r.P >= 1 &&
+    const bool takes = is_16bit(r.dtype) && !r.argmax && r.lq >= 1 && r.lq <= 32 && r.P >= 1 &&
                        r.P <= std::numeric_limits<int32_t>::max() && dev.arch >= 80 && mean_ld <= kStreamMaxMeanLd &&
                        stream_shape_ok(r, false, dev.arch, 32);
     if (takes)
@@ -563,7 +560,7 @@ inline Plan plan_forward(const Request& r, const DeviceFacts& dev) {
     pl.stream.qextent = by_position && r.Nq > 0 && r.Tq % r.Nq == 0 ? r.Tq / r.Nq : 0;
     if (r.force != Family::kStream && stream_wg_ok(r, dev.arch)) {
       const int ks = rb == 128 ? 4 : 8, nq = stream_wg_nq(r.lq);
-      KernelId k{Family::kStreamWg, r.dtype};
+      KernelId k{Family::kStreamWg, r.dtype, r.argmax};
       k.ks = ks;
       k.rows = nq;
       const int64_t wave = (int64_t)std::max(blocks(dev, k), 1) * dev.sm_count;
@@ -572,8 +569,10 @@ inline Plan plan_forward(const Request& r, const DeviceFacts& dev) {
         return pl;
       }
     }
-    plan_stream(pl, r, dev, mean_ld);
-    return pl;
+    if (!r.argmax) {
+      plan_stream(pl, r, dev, mean_ld);
+      return pl;
+    }
   }
   // Queries of 33-128 rows, one query or candidates: the staged wgmma stream
   // before the tile kernels.
@@ -581,7 +580,7 @@ inline Plan plan_forward(const Request& r, const DeviceFacts& dev) {
   if (want_long && r.lq > 32 && mean_ld <= kStreamMaxMeanLd && stream_shape_ok(r, pl.scaled, dev.arch, 128) &&
       stream_wg_ok(r, dev.arch)) {
     const int ks = rb == 128 ? 4 : 8, nq = stream_wg_nq(r.lq);
-    KernelId k{Family::kStreamWg, r.dtype};
+    KernelId k{Family::kStreamWg, r.dtype, r.argmax};
     k.ks = ks;
     k.rows = nq;
     const int64_t wave = (int64_t)std::max(blocks(dev, k), 1) * dev.sm_count;

@@ -36,6 +36,7 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
       "Tensor? q_pairs, Tensor? d_ptr, Tensor? d_pairs, bool need_dq, "
       "bool need_dd, bool normalize=False) -> (Tensor dq, Tensor dd)");
   ops.def("segments(Tensor[] offsets, int[] totals, int[] max_lens, Tensor[] ints, int[] lo, int[] hi) -> Tensor[]");
+  ops.def("uniform_segments(Tensor like, int n, int extent) -> (Tensor start, Tensor len)");
   ops.def("plaid_approx(Tensor qcs, Tensor codes, Tensor d_start, Tensor d_len, Tensor? keep=None) -> Tensor");
   ops.def(
       "plaid_forward(Tensor q, Tensor codes, Tensor residuals, Tensor centroids, Tensor bucket_weights, "
@@ -63,6 +64,7 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.impl("rescore_topk", torch::kCPU, &maxsim::rescore_topk_cpu);
   ops.impl("backward", torch::kCPU, &maxsim::backward_cpu);
   ops.impl("segments", torch::kCPU, &maxsim::segments_cpu);
+  ops.impl("uniform_segments", torch::kCPU, &maxsim::uniform_segments_cpu);
   ops.impl("plaid_approx", torch::kCPU, &maxsim::plaid_approx_cpu);
   ops.impl("plaid_forward", torch::kCPU, &maxsim::plaid_forward_cpu);
   ops.impl("plaid_backward", torch::kCPU, &maxsim::plaid_backward_cpu);
@@ -76,6 +78,7 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.impl("rescore_topk", torch::kCUDA, &maxsim::rescore_topk_cuda);
   ops.impl("backward", torch::kCUDA, &maxsim::backward_cuda);
   ops.impl("segments", torch::kCUDA, &maxsim::segments_cuda);
+  ops.impl("uniform_segments", torch::kCUDA, &maxsim::uniform_segments_cuda);
   ops.impl("plaid_approx", torch::kCUDA, &maxsim::plaid_approx_cuda);
   ops.impl("plaid_forward", torch::kCUDA, &maxsim::plaid_forward_cuda);
   ops.impl("plaid_backward", torch::kCUDA, &maxsim::plaid_backward_cuda);

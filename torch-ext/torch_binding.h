@@ -178,6 +178,11 @@ using BackwardFn = std::tuple<at::Tensor, at::Tensor>(
 // one launch there for up to 65536 segments per offsets tensor.
 using SegmentsFn = std::vector<at::Tensor>(at::TensorList offsets, at::IntArrayRef totals, at::IntArrayRef max_lens,
                                            at::TensorList ints, at::IntArrayRef lo, at::IntArrayRef hi);
+// uniform_segments: n back-to-back segments of `extent` rows on like's
+// device, start int32 [n] = i * extent, len int32 [n] = extent (one launch
+// on CUDA: torch's own arange / fill would load their kernels on a
+// process's first call).
+using UniformSegmentsFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor& like, int64_t n, int64_t extent);
 
 // PLAID / ColBERTv2 compressed documents (codec in plaid_codec.h): codes
 // [T] int32, residuals [T, P] uint8, centroids [C, d] fp32, bucket_weights
@@ -230,6 +235,7 @@ DecodeKeysFn decode_keys_cpu;
 RescoreTopkFn rescore_topk_cpu;
 BackwardFn backward_cpu;
 SegmentsFn segments_cpu;
+UniformSegmentsFn uniform_segments_cpu;
 PlaidApproxFn plaid_approx_cpu;
 PlaidForwardFn plaid_forward_cpu;
 PlaidBackwardFn plaid_backward_cpu;
@@ -242,6 +248,7 @@ DecodeKeysFn decode_keys_cuda;
 RescoreTopkFn rescore_topk_cuda;
 BackwardFn backward_cuda;
 SegmentsFn segments_cuda;
+UniformSegmentsFn uniform_segments_cuda;
 PlaidApproxFn plaid_approx_cuda;
 PlaidForwardFn plaid_forward_cuda;
 PlaidBackwardFn plaid_backward_cuda;

@@ -4,7 +4,8 @@
 // One launch of the gradient kernels on the current stream, no host
 // synchronisation, no workspace: dq_kernel or dd_kernel when only one
 // gradient is needed, dqdd_kernel (both kinds of CTA in one grid) when both
-// are. Under normalize, first the inverse row norms, then the kernels write
+// are; the dd_one_pair forms of the last two when every document belongs to
+// one pair. Under normalize, first the inverse row norms, then the kernels write
 // fp32 row sums that normalize_grad turns into dq / dd (a workspace of fp32
 // rows, so the Jacobian sees unrounded sums). Outputs are allocated
 // uninitialised and fully written by the kernels (segment rows by their
@@ -22,13 +23,16 @@
 //     split into S = groups / BR slices summed in a fixed order;
 //   * dd: CTA = (document, row part c of C, dim chunk); the fp32 tile holds
 //     R rows, R * C covering the mean document length (longer documents take
-//     more passes);
+//     more passes); documents of one pair each (GROUPED, one CROSS query)
+//     write their rows from registers instead (dd_one_pair_cta), C sized
+//     for about two waves;
 //   BR and (R, C) minimise waves x (work per CTA + a fixed per-CTA cost),
 //   waves counted with the occupancy the registers and shared memory allow.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
+#include <cstdlib>
 
 #include "backward_kernels.cuh"
 #include "../common/dtype_dispatch.cuh"
@@ -73,6 +77,12 @@ template <class T, class A, int VEC, class O>
 void set_dqdd_smem(size_t smem) {
   static int set_bytes[kSmemOptInDevices] = {};
   opt_in_dynamic_smem(dqdd_kernel<T, A, VEC, O>, smem, set_bytes);
+}
+
+template <class T, class A, int VEC, class O>
+void set_dqdd_one_pair_smem(size_t smem) {
+  static int set_bytes[kSmemOptInDevices] = {};
+  opt_in_dynamic_smem(dqdd_one_pair_kernel<T, A, VEC, O>, smem, set_bytes);
 }
 
 // Resident CTAs per SM allowed by registers / threads (shared memory apart),
@@ -166,6 +176,24 @@ void plan_dd(BwdParams& p, const cudaDeviceProp* prop, int occ_regs, int NG, siz
   ctas = Nd * best_c * p.H;
 }
 
+// dd_one_pair tiling: row parts C per document so the grid fills about two
+// waves of resident CTAs, each part >= NG rows.
+void plan_dd_one_pair(BwdParams& p, int64_t slots, int NG, size_t& smem, int64_t& ctas) {
+  const int64_t Nd = p.Nd;
+  const int64_t ld = std::max<int64_t>(1, ceil_div(p.Td, std::max<int64_t>(Nd, 1)));
+  const int64_t want = ceil_div(2 * slots, std::max<int64_t>(1, Nd * p.H));
+  p.C = (int)std::max<int64_t>(1, std::min<int64_t>({want, ceil_div(ld, NG), 1024}));
+  p.R = 0;
+  smem = dd_one_pair_smem(p.lq);
+  ctas = Nd * p.C * p.H;
+}
+
+// Every document in one pair: GROUPED, or CROSS with one query.
+// Queries of up to kMaxOnePairLq rows (their entries staged in one pass).
+bool one_pair_docs(const BwdParams& p) {
+  return (p.layout == kGrouped || (p.layout == kCross && p.Nq == 1)) && p.lq <= kMaxOnePairLq;
+}
+
 template <class T, class A, int VEC, class O>
 void launch(BwdParams& p, bool do_dq, bool do_dd, int NG, cudaStream_t st) {
   const auto* prop = at::cuda::getCurrentDeviceProperties();
@@ -174,6 +202,27 @@ void launch(BwdParams& p, bool do_dq, bool do_dd, int NG, cudaStream_t st) {
   int64_t n_dq = 0, n_dd = 0;
   size_t smem_dq = 0, smem_dd = 0;
   if (do_dq) plan_dq(p, (int64_t)occ_dq * prop->multiProcessorCount, NG, smem_dq, n_dq);
+  if (do_dd && one_pair_docs(p)) {
+    // 3 resident CTAs per SM: the launch bounds of the fused kernel.
+    plan_dd_one_pair(p, 3 * (int64_t)prop->multiProcessorCount, NG, smem_dd, n_dd);
+    if (n_dq > 0 && n_dq + n_dd <= kMaxGrid) {
+      const size_t smem = std::max(smem_dq, smem_dd);
+      set_dqdd_one_pair_smem<T, A, VEC, O>(smem);
+      static const int dq_first = std::getenv("DEVTMP_DQ_FIRST") != nullptr;
+      launch_pdl(dqdd_one_pair_kernel<T, A, VEC, O>, dim3((unsigned)(n_dq + n_dd)), dim3(kThreads), smem, st, p,
+                 (int)(dq_first ? n_dq : n_dd), dq_first);
+      return;
+    }
+    for (int64_t i0 = 0; i0 < n_dq; i0 += kMaxGrid) {
+      const int64_t n = std::min(kMaxGrid, n_dq - i0);
+      launch_pdl(dq_kernel<T, A, VEC, O>, dim3((unsigned)n), dim3(kThreads), smem_dq, st, p, i0);
+    }
+    for (int64_t i0 = 0; i0 < n_dd; i0 += kMaxGrid) {
+      const int64_t n = std::min(kMaxGrid, n_dd - i0);
+      launch_pdl(dd_one_pair_kernel<T, A, VEC, O>, dim3((unsigned)n), dim3(kThreads), smem_dd, st, p, i0);
+    }
+    return;
+  }
   if (do_dd) plan_dd(p, prop, occ_dd, NG, smem_dd, n_dd);
   // Both: one launch of the fused kernel (dd CTAs first, then dq). The two
   // write disjoint outputs, so they share the GPU instead of each leaving

@@ -751,6 +751,106 @@ __device__ __forceinline__ void dd_cta(const BwdParams& p, int64_t item) {
   zero_gap<O, VEC>(out, p.d_start, drows, j, p.Nd, p.Td, dim, c, p.C, gi, NG, col, vok);
 }
 
+// dd when every document belongs to one pair (GROUPED, or CROSS with one
+// query): a document's rows take at most lq hits, so most rows are zeros and
+// the tile of dd_cta (a shared fp32 row per document row, sized for many
+// pairs) would only add a pass through shared memory. CTA = (document j,
+// row part c of C, dim chunk); the pair's lq (argmax row, grad x scale)
+// entries are staged once, then each lane group writes its rows straight
+// from registers: per row a warp ballot over the entries finds the hits,
+// summed in entry order (the order dd_cta uses), zeros elsewhere.
+// Dynamic shared memory: dd_one_pair_smem(lq).
+constexpr int kMaxOnePairLq = 4 * kThreads;  // query rows of the one-pair dd (entries staged in one pass)
+__host__ __device__ constexpr size_t dd_one_pair_smem(int64_t lq) { return (size_t)((lq + 31) / 32 * 32) * 8; }
+
+template <class T, class A, int VEC, class O>
+__device__ __forceinline__ void dd_one_pair_cta(const BwdParams& p, int64_t item) {
+  using V = Vec<T, VEC>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int G = 1 << p.lgG, NG = kThreads >> p.lgG;
+  const int gi = tid >> p.lgG, l = tid & (G - 1);
+  const int h = (int)(item % p.H);
+  item /= p.H;
+  const int c = (int)(item % p.C);
+  const int64_t j = item / p.C;
+  if (j >= p.Nd) return;  // CTA-uniform
+
+  const int v = h * G + l;
+  const bool vok = v < p.nvec;
+  const int64_t col = (int64_t)v * VEC;
+  const int64_t dim = p.dim;
+  const int lq = p.lq, lq32 = (lq + 31) / 32 * 32;
+  const T* __restrict__ qsrc = static_cast<const T*>(p.q);
+  const A* __restrict__ am = static_cast<const A*>(p.argmax);
+  O* __restrict__ out = static_cast<O*>(p.dd);
+  int* e_row = reinterpret_cast<int*>(smem);       // [lq32] document row hit by entry i, -1: none
+  float* e_g = reinterpret_cast<float*>(e_row + lq32);  // [lq32] its grad (x the query row's scale)
+
+  // The pair and its query come from the layout (no loads), so the
+  // segments, the grad and the entries load in one round trip.
+  int64_t plo = 0, pr = 0, n = 0;
+  const bool pair_ok = doc_pair(p, j, 0, plo, pr, n);
+  const int64_t dlen = p.d_len[j], ds = p.d_start[j];
+  int64_t qlen = -1, qs = 0;
+  float g = 0.f;
+  if (pair_ok) {
+    qlen = p.q_len[n];
+    qs = p.q_start[n];
+    g = p.grad[pr];
+  }
+  constexpr int kPer = kMaxOnePairLq / kThreads;  // entries per thread
+  int a_in[kPer];
+#pragma unroll
+  for (int u = 0; u < kPer; ++u) {
+    const int i = tid + u * kThreads;
+    a_in[u] = pair_ok && i < lq ? (int)am[pr * lq + i] : -1;
+  }
+  const int drows = seg_rows_of(dlen, ds, kNoWidth, p.Td);
+  const int qrows = pair_ok && drows > 0 ? seg_rows_of(qlen, qs, lq, p.Tq) : -1;
+#pragma unroll
+  for (int u = 0; u < kPer; ++u) {
+    const int i = tid + u * kThreads;
+    if (i < lq32) {
+      const bool hit = i < qrows && a_in[u] >= 0 && a_in[u] < drows;
+      e_row[i] = hit ? a_in[u] : -1;
+      e_g[i] = hit ? (p.q_scale != nullptr ? g * p.q_scale[qs + i] : g) : 0.f;
+    }
+  }
+  __syncthreads();
+
+  // Rows r = (k * C + c) * NG + gi: a warp's groups take consecutive rows.
+  const int gpw = 32 / G;  // groups per warp (1, 2 or 4)
+  const int rows = drows > 0 ? drows : 0;
+  for (int64_t rb = (int64_t)c * NG; rb < rows; rb += (int64_t)p.C * NG) {
+    const int64_t r = rb + gi;  // may be >= rows: the group only takes part in the ballots
+    float f[VEC];
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) f[e] = 0.f;
+    for (int e0 = 0; e0 < lq32; e0 += 32) {
+      const int a = e_row[e0 + lane];
+      unsigned mine = 0;
+      for (int k = 0; k < gpw; ++k) {
+        const int64_t rk = rb + (int64_t)((tid >> 5) * gpw + k);
+        const unsigned m = __ballot_sync(0xffffffffu, a >= 0 && (int64_t)a == rk);
+        if (k == (gi & (gpw - 1))) mine = m;
+      }
+      while (mine != 0u && vok) {
+        const int i = e0 + __ffs(mine) - 1;
+        mine &= mine - 1u;
+        float q[VEC];
+        V::unpack(V::load(qsrc + ((int64_t)qs + i) * dim + col), q);
+        const float gg = e_g[i];
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) f[e] = fmaf(gg, q[e], f[e]);
+      }
+    }
+    if (r < rows && vok) store_out<O, VEC>(out + (ds + r) * dim + col, f);
+  }
+
+  zero_gap<O, VEC>(out, p.d_start, drows, j, p.Nd, p.Td, dim, c, p.C, gi, NG, col, vok);
+}
+
 // Launch forms: CTAs item0 + blockIdx.x of one kind (one gradient needed),
 // or both kinds in one grid (blocks [0, n_dd) dd, the rest dq): they write
 // disjoint outputs and share the SMs, with one launch on the host. dd's
@@ -769,6 +869,12 @@ __global__ void __launch_bounds__(kThreads, 2) dd_kernel(const BwdParams p, int6
 }
 
 template <class T, class A, int VEC, class O>
+__global__ void __launch_bounds__(kThreads, 4) dd_one_pair_kernel(const BwdParams p, int64_t item0) {
+  pdl_wait();
+  dd_one_pair_cta<T, A, VEC, O>(p, item0 + blockIdx.x);
+}
+
+template <class T, class A, int VEC, class O>
 __global__ void __launch_bounds__(kThreads, 2) dqdd_kernel(const BwdParams p, int n_dd) {
   pdl_wait();
   const int b = (int)blockIdx.x;
@@ -776,6 +882,16 @@ __global__ void __launch_bounds__(kThreads, 2) dqdd_kernel(const BwdParams p, in
     dd_cta<T, A, VEC, O>(p, b);
   else
     dq_cta<T, A, VEC, O>(p, b - n_dd);
+}
+
+template <class T, class A, int VEC, class O>
+__global__ void __launch_bounds__(kThreads, 3) dqdd_one_pair_kernel(const BwdParams p, int n_first, int dq_first) {
+  pdl_wait();
+  const int b = (int)blockIdx.x;
+  if ((b < n_first) != (dq_first != 0))
+    dd_one_pair_cta<T, A, VEC, O>(p, dq_first ? b - n_first : b);
+  else
+    dq_cta<T, A, VEC, O>(p, dq_first ? b : b - n_first);
 }
 
 }  // namespace cuda_bwd

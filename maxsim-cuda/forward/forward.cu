@@ -126,7 +126,7 @@ int blocks_per_sm(const plan::KernelId& k) {
         return stream_blocks<T>(s);
       }
     } else if (k.family == plan::Family::kStreamWg) {
-      if constexpr (kIs16Bit<T>) return stream_wg_blocks<T>(k.ks, k.rows);
+      if constexpr (kIs16Bit<T>) return stream_wg_blocks<T>(k.ks, k.rows, k.argmax);
     } else if (k.family == plan::Family::kPacked) {
       if constexpr (kIs16Bit<T>) return packed_blocks<T>(k.ks, k.argmax);
     }

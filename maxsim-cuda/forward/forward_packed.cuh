@@ -9,13 +9,18 @@
 // registers, and streams the tokens of up to dpc consecutive documents,
 // concatenated, through a cp.async ring of BN = 64-column tiles. A table per
 // tile maps each column to its token row (gathered, so any (start, length)
-// works: padded, ragged, overlapping). After the MMAs the tile goes to shared
-// memory and thread r scans row r's columns in order: a running (max,
-// argmax) per row, NaN-propagating, ties to the lower index, masked columns
-// -inf; where a document ends (the same column for every row, so the branch
-// is uniform) each slot's rows are summed by xor shuffles in a fixed order
-// and the score / argmax row are stored (store_score / store_argmax).
-// Documents longer than a tile simply continue in the next one.
+// works: padded, ragged, overlapping) and marks, as bit masks, the columns
+// that start / end a document and those that count.
+//
+// The epilogue stays in registers. The tile's columns are permuted on load
+// so that each lane of an MMA quad holds 16 consecutive columns of its four
+// rows; per row it runs a segmented (max, argmax) over them (NaN wins, ties
+// to the lower column, masked columns -inf), takes the carry of the columns
+// before them (the quad's other lanes and the previous tile) with a 4-lane
+// segmented scan, and adds the finished maxima of the rows of one query
+// slot; a transposing shuffle reduction over the slot's lanes then leaves
+// each lane two columns' row sums, stored where a document ends. Documents
+// longer than a tile continue in the next one through the per-row carry.
 #pragma once
 
 #include <c10/cuda/CUDAException.h>
@@ -38,31 +43,55 @@ __device__ __forceinline__ uint32_t packed_swz(int r, int c) {
   return (uint32_t)(r * RB + ((c ^ (r & 7)) << 4));
 }
 
+// Tile column n (B row n, accumulator column jn * 8 + 2 * quad + e) holds
+// stream column 16 * quad + 2 * jn + e: quad lane q's accumulators
+// acc[.][k / 2][. + k % 2] are its stream columns 16 q + k, k = 0..15.
+__device__ __forceinline__ int packed_stream_col(int n) { return ((n & 7) >> 1) * 16 + (n >> 3) * 2 + (n & 1); }
+
+// (b, i) becomes the (max, argmax) of an earlier run of columns (eb, ei)
+// followed by (b, i), as upd_arg would have scanned them: the later state
+// wins only with a larger value or a NaN after a number (an empty state is
+// -inf). Branch-free: selects only.
+template <bool ARG>
+__device__ __forceinline__ void packed_after(float eb, int ei, float& b, int& i) {
+  if (ARG) {
+    const bool later = b != b ? eb == eb : b > eb;
+    b = later ? b : eb;
+    i = later ? i : ei;
+  } else {
+    b = max_nan(eb, b);
+  }
+}
+
 template <typename T, int KS, bool ARG>
 __global__ void __launch_bounds__(kPackedThreads, 2) packed_fwd_kernel(FwdParams p, int64_t item0) {
   constexpr int BM = kPackedBM, BN = kPackedBN, NTH = kPackedThreads, STAGES = kPackedStages;
-  constexpr int TS = STAGES + 1;  // column-table ring: a tile's table lives from STAGES iterations ahead
+  constexpr int TS = STAGES + 1;  // table ring: a tile's table lives from STAGES iterations ahead
   constexpr int RB = KS * 32;     // row bytes
   constexpr int UPR = RB / 16;    // 16-byte units per row
   constexpr int RSTEP = NTH / UPR;
-  constexpr int SST = plan::kPackedSst;
   constexpr int MT = 2, NT = BN / 8;  // per warp: 32 rows x 64 columns
-  static_assert(NTH == BM && BN <= NTH && BN % RSTEP == 0 && BM % RSTEP == 0, "packed tile shape");
+  static_assert(NTH == BM && BN == 64 && NT == 8 && BN <= NTH && BN % RSTEP == 0 && BM % RSTEP == 0,
+                "packed tile shape");
   pdl_wait();
 
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ long long cs[kPackedMaxDocs + 1];  // first stream column of each document
   __shared__ int dstart[kPackedMaxDocs];
   __shared__ unsigned char dvalid[kPackedMaxDocs];
-  __shared__ int col_tok[TS][BN];            // token row of each column (-1: past the stream)
-  __shared__ unsigned char col_m[TS][BN];    // the column counts (in the stream, not masked)
+  __shared__ int col_tok[TS][BN];  // token row of each stream column (-1: past the stream)
+  __shared__ int col_doc[TS][BN];  // its document
+  // Per tile, bit c of word [k][c / 32]: stream column c starts a document
+  // (k 0), ends one (k 1), counts (k 2: in the stream, not masked).
+  __shared__ uint32_t col_bits[TS][3][2];
   __shared__ long long row_src[BM];
+  __shared__ unsigned char row_cnt[BM];   // the row counts (live, not masked)
+  __shared__ unsigned char slot_qok[BM];  // slot s's query is valid (written by its row 0)
   __shared__ long long warp_tot[NTH / 32];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const uint32_t ring = smem_u32(smem);
-  float* S = reinterpret_cast<float*>(smem + STAGES * BN * RB);  // [BM][SST]; the query staging before
-  const uint32_t q_s = smem_u32(S);
+  const uint32_t q_s = ring + (uint32_t)(STAGES * BN * RB);  // query staging
 
   // ---- work item: M tile, documents [u0, u1) of one group ---------------------
   const int64_t item = item0 + blockIdx.x;
@@ -75,19 +104,24 @@ __global__ void __launch_bounds__(kPackedThreads, 2) packed_fwd_kernel(FwdParams
   if (u1 <= u0) return;  // whole CTA
   const int nd = (int)(u1 - u0);
   const bool cross = p.layout == kCrossL;
-
-  // ---- this thread's query row ----------------------------------------------------
   const int R = p.qrows;
-  const int slot = tid / R, qi = tid - slot * R;
-  const int64_t qn = cross ? (int64_t)mt * p.qpt + slot : grp;
-  const bool slot_live = cross ? (slot < p.qpt && qn < p.Nq) : slot == 0;
-  int qs = 0, ql = 0;
-  const bool qok = slot_live && query_ok(p, qn, qs, ql);
-  const bool row_live = qok && qi < ql;
-  const bool row_counts = row_live && (p.q_mask == nullptr || p.q_mask[qs + qi]);
-  row_src[tid] = row_live ? (long long)qs + qi : -1;
+  // Slot s: its query and whether it exists in this launch.
+  auto slot_query = [&](int s) -> int64_t { return cross ? (int64_t)mt * p.qpt + s : grp; };
+  auto slot_live = [&](int s) { return cross ? (s < p.qpt && slot_query(s) < p.Nq) : s == 0; };
+
+  // ---- row tid: its query row ------------------------------------------------------
+  {
+    const int slot = tid / R, qi = tid - slot * R;
+    int qs = 0, ql = 0;
+    const bool qok = slot_live(slot) && query_ok(p, slot_query(slot), qs, ql);
+    const bool row_live = qok && qi < ql;
+    row_src[tid] = row_live ? (long long)qs + qi : -1;
+    row_cnt[tid] = row_live && (p.q_mask == nullptr || p.q_mask[qs + qi]);
+    if (qi == 0) slot_qok[slot] = qok;
+  }
 
   // ---- document table: starts, validity, prefix of lengths --------------------
+  bool any_empty = false;
   {
     constexpr int PER = kPackedMaxDocs / NTH;
     long long tot = 0;
@@ -101,6 +135,7 @@ __global__ void __launch_bounds__(kPackedThreads, 2) packed_fwd_kernel(FwdParams
         ok = doc_ok(p, u0 + j, ds, dl);
         dstart[j] = ds;
         dvalid[j] = ok;
+        any_empty |= dl == 0;
       }
       len[e] = dl;
       tot += dl;
@@ -123,47 +158,74 @@ __global__ void __launch_bounds__(kPackedThreads, 2) packed_fwd_kernel(FwdParams
     }
     if (tid == NTH - 1 && nd == kPackedMaxDocs) cs[nd] = base;
   }
-  __syncthreads();
+  any_empty = __syncthreads_or(any_empty);
   const long long total = cs[nd];
-  const long long nch = (total + BN - 1) / BN;
+  const int nch = (int)((total + BN - 1) / BN);  // total < 2^31 (planner: Td < 2^31)
   const bool has_mask = p.d_mask != nullptr;
 
-  // Column table of tile ch (threads < BN): the token row of column
-  // ch * BN + tid (the document holding it: the last j with cs[j] <= column),
-  // and whether it counts (the mask byte goes to `mval`, stored later).
-  auto col_table = [&](long long ch, bool& mval) -> int {
-    const long long gc = ch * BN + tid;
-    if (gc >= total) {
-      mval = false;
-      return -1;
+  // An empty document has no end column: its score (0, no row counts) and
+  // argmax rows (-1) are stored here.
+  if (any_empty) {
+    const int slot = tid / R, qi = tid - slot * R;
+    if (slot_live(slot))
+      for (int j = 0; j < nd; ++j) {
+        if (cs[j + 1] != cs[j]) continue;
+        const int64_t pr = cross ? slot_query(slot) * p.Nd + u0 + j : u0 + j;
+        if (qi == 0) store_score(p, pr, slot_qok[slot] && dvalid[j], 0.f);
+        if (ARG && qi < p.lq) store_argmax(p, pr * p.lq + qi, -1);
+      }
+  }
+
+  // Table of tile ch into slot ts (threads < BN, whole warps; thread tid is
+  // stream column ch * BN + tid): its token row, document (the last j with
+  // cs[j] <= column), start / end bits; whether it counts goes to `mval`
+  // (the mask load's latency is hidden: its bits are written later).
+  auto tile_table = [&](int ch, int ts, bool& mval) {
+    const long long gc = (long long)ch * BN + tid;
+    int tok = -1, lo = 0;
+    bool st = false, en = false;
+    mval = false;
+    if (gc < total) {
+      int hi = nd - 1;
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (cs[mid] <= gc)
+          lo = mid;
+        else
+          hi = mid - 1;
+      }
+      tok = dstart[lo] + (int)(gc - cs[lo]);
+      st = gc == cs[lo];
+      en = gc + 1 == cs[lo + 1];
+      mval = !has_mask || p.d_mask[tok];
     }
-    int lo = 0, hi = nd - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (cs[mid] <= gc)
-        lo = mid;
-      else
-        hi = mid - 1;
+    col_tok[ts][tid] = tok;
+    col_doc[ts][tid] = lo;
+    const uint32_t sb = __ballot_sync(0xffffffffu, st), eb = __ballot_sync(0xffffffffu, en);
+    if (lane == 0) {
+      col_bits[ts][0][warp] = sb;
+      col_bits[ts][1][warp] = eb;
     }
-    const int tok = dstart[lo] + (int)(gc - cs[lo]);
-    mval = !has_mask || p.d_mask[tok];
-    return tok;
   };
-  // cp.async of tile ch into its stage (columns past the stream: zeros).
-  auto issue = [&](long long ch) {
-    const int ts = (int)(ch % TS);
-    const uint32_t dst = ring + (uint32_t)((ch % STAGES) * BN * RB);
+  auto put_valid = [&](int ts, bool m) {
+    const uint32_t vb = __ballot_sync(0xffffffffu, m);
+    if (lane == 0) col_bits[ts][2][warp] = vb;
+  };
+  // cp.async of the tile whose table is in slot ts into ring stage `stage`,
+  // permuted (packed_stream_col); columns past the stream: zeros.
+  auto issue = [&](int ts, int stage) {
+    const uint32_t dst = ring + (uint32_t)(stage * BN * RB);
     const int uc = tid % UPR;
 #pragma unroll
     for (int r = tid / UPR; r < BN; r += RSTEP) {
-      const int tok = col_tok[ts][r];
+      const int tok = col_tok[ts][packed_stream_col(r)];
       const bool ok = tok >= 0;
       cp_async<16>(dst + packed_swz<RB>(r, uc), ok ? (const void*)(p.d + (int64_t)tok * RB + uc * 16) : (const void*)p.d,
                    ok);
     }
   };
 
-  // ---- prologue: query tile (staged in S), the first tables and tiles -------------
+  // ---- prologue: query tile (staged), the first tables and tiles -----------------
   __syncthreads();  // row_src
   {
     const int uc = tid % UPR;
@@ -179,14 +241,14 @@ __global__ void __launch_bounds__(kPackedThreads, 2) packed_fwd_kernel(FwdParams
 #pragma unroll
     for (int ch = 0; ch < STAGES; ++ch) {
       bool m;
-      col_tok[ch][tid] = col_table(ch, m);
-      col_m[ch][tid] = m;
+      tile_table(ch, ch, m);
+      put_valid(ch, m);
     }
   }
   __syncthreads();
 #pragma unroll
   for (int ch = 0; ch < STAGES - 1; ++ch) {
-    if (ch < nch) issue(ch);
+    if (ch < nch) issue(ch, ch);
     cp_async_commit();
   }
   cp_async_wait<STAGES - 1>();  // the query group
@@ -202,50 +264,39 @@ __global__ void __launch_bounds__(kPackedThreads, 2) packed_fwd_kernel(FwdParams
                 q_s + a_row + (uint32_t)(i * 16 * RB) + (((ks * 2 + (lane >> 4)) ^ (lane & 7)) << 4));
   }
 
-  // ---- scan state (uniform across the CTA): document j, its remaining columns --
-  float best = neg_inf();
-  int bidx = -1;
-  int j = 0, pos = 0, left = 0;
-  // Ends document j: each slot's row sum (xor shuffles within the slot's
-  // aligned lanes), its score and argmax row; then skips empty documents.
-  auto finish = [&]() {
-    const bool dok = dvalid[j];
-    const bool use = row_counts && best != neg_inf();
-    float v = use ? best : 0.f;
-    for (int o = R >> 1; o >= 1; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if (slot_live) {
-      const int64_t dn = u0 + j;
-      const int64_t pr = cross ? qn * p.Nd + dn : dn;
-      if (qi == 0) store_score(p, pr, qok && dok, v);
-      if (ARG && qi < p.lq) store_argmax(p, pr * p.lq + qi, use ? bidx : -1);
+  // ---- this lane's rows warp * 32 + i * 16 + h * 8 + g, columns 16 q + k ----------
+  const int g = lane >> 2, q = lane & 3;
+  bool rc[MT][2];
+  float cb[MT][2];  // carry: the (max, argmax) of the document running past the last tile
+  int ci[MT][2];
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      rc[i][h] = row_cnt[warp * 32 + i * 16 + h * 8 + g];
+      cb[i][h] = neg_inf();
+      ci[i][h] = -1;
     }
-    best = neg_inf();
-    bidx = -1;
-    ++j;
-  };
-  auto next_doc = [&]() {
-    while (j < nd && cs[j + 1] == cs[j]) finish();
-    pos = 0;
-    left = j < nd ? (int)(cs[j + 1] - cs[j]) : 0;
-  };
-  next_doc();
+  // A slot's rows in this lane: 4 (R 32), 2 (R 16), else 1; the lane bits
+  // (xor 4, 8, 16) its rows span: log2(min(R, 8)).
+  const int rows_in_lane = R >= 32 ? 4 : R == 16 ? 2 : 1;
+  const int lane_levels = R >= 8 ? 3 : R == 4 ? 2 : R == 2 ? 1 : 0;
 
   const int b_hi = (lane >> 3) & 1;
   const uint32_t b_row = (uint32_t)(((lane & 7) + ((lane >> 4) << 3)) * RB);
-  const float* srow = S + tid * SST;
   bool pend = false;
   int pend_slot = -1;
-  for (long long ch = 0; ch < nch; ++ch) {
+  int s_cur = 0, t_cur = 0;  // ch % STAGES, ch % TS
+  for (int ch = 0; ch < nch; ++ch) {
     cp_async_wait<STAGES - 2>();
     __syncthreads();
-    if (pend_slot >= 0) col_m[pend_slot][tid] = pend;
-    if (ch + STAGES - 1 < nch) issue(ch + STAGES - 1);
+    if (pend_slot >= 0) put_valid(pend_slot, pend);
+    if (ch + STAGES - 1 < nch) issue((t_cur + STAGES - 1) % TS, (s_cur + STAGES - 1) % STAGES);
     cp_async_commit();
     pend_slot = -1;
     if (tid < BN && ch + STAGES < nch) {
-      const int ts = (int)((ch + STAGES) % TS);
-      col_tok[ts][tid] = col_table(ch + STAGES, pend);
-      pend_slot = ts;
+      pend_slot = (t_cur + STAGES) % TS;
+      tile_table(ch + STAGES, pend_slot, pend);
     }
 
     // MMAs: 32 query rows x 64 columns per warp.
@@ -256,7 +307,7 @@ __global__ void __launch_bounds__(kPackedThreads, 2) packed_fwd_kernel(FwdParams
       for (int jn = 0; jn < NT; ++jn)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[i][jn][e] = 0.f;
-    const uint32_t b_base = ring + (uint32_t)((ch % STAGES) * BN * RB) + b_row;
+    const uint32_t b_base = ring + (uint32_t)(s_cur * BN * RB) + b_row;
     uint32_t bfr[2][NT][2];
     auto load_b = [&](int buf, int ks) {
 #pragma unroll
@@ -273,37 +324,135 @@ __global__ void __launch_bounds__(kPackedThreads, 2) packed_fwd_kernel(FwdParams
 #pragma unroll
         for (int jn = 0; jn < NT; ++jn) Mma<T>::run(acc[i][jn], af[ks][i], bfr[ks & 1][jn]);
     }
+
+    // ---- epilogue ----------------------------------------------------------------
+    const int ts = t_cur;
+    const uint32_t w0 = col_bits[ts][0][0], w1 = col_bits[ts][0][1];
+    const uint32_t st16 = ((q < 2 ? w0 : w1) >> (16 * (q & 1))) & 0xffffu;
+    const uint32_t en16 = (col_bits[ts][1][q >> 1] >> (16 * (q & 1))) & 0xffffu;
+    const uint32_t v16 = (col_bits[ts][2][q >> 1] >> (16 * (q & 1))) & 0xffffu;
+    // A start in quad lane t's columns (the carry stops there).
+    const bool hs[4] = {(w0 & 0xffffu) != 0, (w0 >> 16) != 0, (w1 & 0xffffu) != 0, (w1 >> 16) != 0};
+    // The end column of the head segment (the columns before this lane's
+    // first start), the only one that takes the carry.
+    const uint32_t head_end = (st16 ? (st16 & (0u - st16)) - 1u : 0xffffu) & en16;
+    const int c0 = ch * BN + 16 * q;  // stream column of k = 0
+    float ps[16];
+#pragma unroll
+    for (int k = 0; k < 16; ++k) ps[k] = 0.f;
 #pragma unroll
     for (int i = 0; i < MT; ++i)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        float* dst = S + (warp * 32 + i * 16 + h * 8 + (lane >> 2)) * SST + 2 * (lane & 3);
+        // Segmented (max, argmax) over this lane's 16 columns of the row.
+        float ev[16];
+        int ei[16];
+        float b = neg_inf();
+        int bi = -1;
 #pragma unroll
-        for (int jn = 0; jn < NT; ++jn) {
-          dst[jn * 8] = acc[i][jn][h * 2];
-          dst[jn * 8 + 1] = acc[i][jn][h * 2 + 1];
+        for (int k = 0; k < 16; ++k) {
+          const float v = (v16 >> k) & 1u ? acc[i][k >> 1][h * 2 + (k & 1)] : neg_inf();
+          if ((st16 >> k) & 1u) {
+            b = neg_inf();
+            bi = -1;
+          }
+          if (ARG)
+            upd_arg(b, bi, v, c0 + k);
+          else
+            b = max_nan(b, v);
+          ev[k] = b;
+          ei[k] = bi;
         }
+        // The carry into each quad lane: the previous tile's, then lanes
+        // 0..q-1's tails (a tail restarts where its lane has a start).
+        float in_b = neg_inf(), run_b = cb[i][h];
+        int in_i = -1, run_i = ci[i][h];
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          float tb = __shfl_sync(0xffffffffu, b, (lane & ~3) | t);
+          int ti = ARG ? __shfl_sync(0xffffffffu, bi, (lane & ~3) | t) : -1;
+          if (t == q) {
+            in_b = run_b;
+            in_i = run_i;
+          }
+          if (!hs[t]) packed_after<ARG>(run_b, run_i, tb, ti);
+          run_b = tb;
+          run_i = ti;
+        }
+        cb[i][h] = run_b;
+        ci[i][h] = run_i;
+        const int row = warp * 32 + i * 16 + h * 8 + g;
+        const int slot = row / R, qi = row - slot * R;
+        const bool live = slot_live(slot);
+#pragma unroll
+        for (int k = 0; k < 16; ++k) {
+          if ((head_end >> k) & 1u) packed_after<ARG>(in_b, in_i, ev[k], ei[k]);
+          const bool use = rc[i][h] && ev[k] != neg_inf();
+          ps[k] += use ? ev[k] : 0.f;
+          if (ARG && ((en16 >> k) & 1u) && live && qi < p.lq) {
+            const int dj = col_doc[ts][16 * q + k];
+            const int64_t pr = cross ? slot_query(slot) * p.Nd + u0 + dj : u0 + dj;
+            store_argmax(p, pr * p.lq + qi, use ? ei[k] - (int)cs[dj] : -1);
+          }
+        }
+        if ((i * 2 + h + 1) % rows_in_lane != 0) continue;
+        // The slot's row sums: a transposing reduction over its lanes
+        // (xor 4, 8, 16); lane bit 2 + l keeps half the columns at level l.
+        auto store = [&](const auto& sum, int kb) {
+          constexpr int n = sizeof(sum) / sizeof(float);
+          if (!live) return;
+#pragma unroll
+          for (int jj = 0; jj < n; ++jj) {
+            const int k = kb + jj;
+            if (!((en16 >> k) & 1u)) continue;
+            const int dj = col_doc[ts][16 * q + k];
+            const int64_t pr = cross ? slot_query(slot) * p.Nd + u0 + dj : u0 + dj;
+            store_score(p, pr, slot_qok[slot] && dvalid[dj], sum[jj]);
+          }
+        };
+        if (lane_levels == 0) {
+          store(ps, 0);
+        } else {
+          float s8[8];
+          const bool u4 = lane & 4;
+#pragma unroll
+          for (int jj = 0; jj < 8; ++jj) {
+            const float send = u4 ? ps[jj] : ps[jj + 8];
+            s8[jj] = (u4 ? ps[jj + 8] : ps[jj]) + __shfl_xor_sync(0xffffffffu, send, 4);
+          }
+          const int kb8 = u4 ? 8 : 0;
+          if (lane_levels == 1) {
+            store(s8, kb8);
+          } else {
+            float s4[4];
+            const bool u8 = lane & 8;
+#pragma unroll
+            for (int jj = 0; jj < 4; ++jj) {
+              const float send = u8 ? s8[jj] : s8[jj + 4];
+              s4[jj] = (u8 ? s8[jj + 4] : s8[jj]) + __shfl_xor_sync(0xffffffffu, send, 8);
+            }
+            const int kb4 = kb8 + (u8 ? 4 : 0);
+            if (lane_levels == 2) {
+              store(s4, kb4);
+            } else {
+              float s2[2];
+              const bool u16 = lane & 16;
+#pragma unroll
+              for (int jj = 0; jj < 2; ++jj) {
+                const float send = u16 ? s4[jj] : s4[jj + 2];
+                s2[jj] = (u16 ? s4[jj + 2] : s4[jj]) + __shfl_xor_sync(0xffffffffu, send, 16);
+              }
+              store(s2, kb4 + (u16 ? 2 : 0));
+            }
+          }
+        }
+#pragma unroll
+        for (int k = 0; k < 16; ++k) ps[k] = 0.f;
       }
-    __syncthreads();
-
-    // Row tid's columns of this tile, in order.
-    const int ncol = (int)min((long long)BN, total - ch * BN);
-    const unsigned char* cm = col_m[ch % TS];
-    for (int c = 0; c < ncol; ++c) {
-      const float v = cm[c] ? srow[c] : neg_inf();
-      if (ARG)
-        upd_arg(best, bidx, v, pos);
-      else
-        best = max_nan(best, v);
-      ++pos;
-      if (--left == 0) {
-        finish();
-        next_doc();
-      }
-    }
+    if (++s_cur == STAGES) s_cur = 0;
+    if (++t_cur == TS) t_cur = 0;
   }
   cp_async_wait_all();
-  while (j < nd) finish();  // never taken: every document ended on its last column or was empty
 }
 
 // Resident CTAs per SM (asked once per instance).

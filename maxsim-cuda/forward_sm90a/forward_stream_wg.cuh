@@ -12,8 +12,11 @@
 // warp's 16) into running per-column maxima (NaN-propagating max, masked /
 // out-of-range tokens -inf), reduced over the warp's and then the CTA's
 // tokens at the end; the score is the sum over query rows in the order of
-// the mma.sync stream's epilogue.
-// No argmax, no normalize, no 8-bit tokens.
+// the mma.sync stream's epilogue. ARG also keeps each column's argmax (a
+// thread visits its tokens in increasing order; partial states merge under
+// merge_arg's total order, as 64-bit keys), the training forward of
+// per-query candidates.
+// No normalize, no 8-bit tokens.
 #pragma once
 
 #include "../common/common.cuh"
@@ -76,6 +79,25 @@ __device__ __forceinline__ void cp_async_pol(uint32_t dst, const void* src, int 
 }
 #endif  // MAXSIM_WG_DEVICE
 
+// A (max, argmax) state as one 64-bit key whose unsigned maximum is
+// merge_arg's total order: the value's order-preserving bits above the
+// complemented index (NaN highest, then larger values, then lower indices;
+// -0 counts as +0 as in merge_arg's compare; 0: the empty state). The
+// epilogue's 3 shuffle rounds and the cross-warp merge are then a
+// branch-free 64-bit max each.
+__device__ __forceinline__ uint64_t arg_key(float v, int i) {
+  const uint32_t b = __float_as_uint(v + 0.f);
+  const uint32_t o = v != v ? 0xffffffffu : (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+  return i < 0 ? 0ull : ((uint64_t)o << 32) | (uint32_t)~i;
+}
+__device__ __forceinline__ void arg_unkey(uint64_t k, float& v, int& i) {
+  const uint32_t o = (uint32_t)(k >> 32);
+  v = k == 0ull ? neg_inf() : o == 0xffffffffu ? __uint_as_float(0x7fffffffu)
+                                               : __uint_as_float((o & 0x80000000u) ? (o & 0x7fffffffu) : ~o);
+  i = k == 0ull ? -1 : (int)~(uint32_t)k;
+}
+__device__ __forceinline__ uint64_t max_u64(uint64_t a, uint64_t b) { return a > b ? a : b; }
+
 using plan::kStreamWgThreads;  // one warpgroup
 using plan::kStreamWgTokens;   // tokens per stage (wgmma M)
 
@@ -86,8 +108,9 @@ using plan::stream_wg_smem;
 
 // KS: 32-byte k steps per row (4 or 8); NQ: query rows per tile (16, 32,
 // or 64 / 128 for lq 33-128);
-// NST: document stages (NST - 1 in flight while one is scored).
-template <typename T, int KS, int NQ, int NST>
+// NST: document stages (NST - 1 in flight while one is scored); ARG: write
+// the argmax rows too.
+template <typename T, int KS, int NQ, int NST, bool ARG>
 __global__ void __launch_bounds__(kStreamWgThreads) stream_wg_kernel(const FwdParams p) {
 #if MAXSIM_WG_DEVICE
   pdl_wait();
@@ -151,8 +174,12 @@ __global__ void __launch_bounds__(kStreamWgThreads) stream_wg_kernel(const FwdPa
   for (int t = 0; t < NST - 1; ++t) stage_in(t);
 
   float best[NA / 2];
+  int bidx[NA / 2];
 #pragma unroll
-  for (int i = 0; i < NA / 2; ++i) best[i] = neg_inf();
+  for (int i = 0; i < NA / 2; ++i) {
+    best[i] = neg_inf();
+    bidx[i] = -1;
+  }
   for (int t = 0; t < nst; ++t) {
     // This thread's copies of the query and stage t have landed; the
     // barrier makes every thread's visible to wgmma.
@@ -189,9 +216,15 @@ __global__ void __launch_bounds__(kStreamWgThreads) stream_wg_kernel(const FwdPa
 #pragma unroll
     for (int j = 0; j < NQ / 8; ++j)
 #pragma unroll
-      for (int e = 0; e < 2; ++e)
-        best[2 * j + e] = max_nan(best[2 * j + e], max_nan(v0 ? acc[4 * j + e] : neg_inf(),
-                                                           v1 ? acc[4 * j + 2 + e] : neg_inf()));
+      for (int e = 0; e < 2; ++e) {
+        const float a0 = v0 ? acc[4 * j + e] : neg_inf(), a1 = v1 ? acc[4 * j + 2 + e] : neg_inf();
+        if constexpr (ARG) {
+          upd_arg(best[2 * j + e], bidx[2 * j + e], a0, j0);
+          upd_arg(best[2 * j + e], bidx[2 * j + e], a1, j0 + 8);
+        } else {
+          best[2 * j + e] = max_nan(best[2 * j + e], max_nan(a0, a1));
+        }
+      }
   }
   cp_async_wait<0>();
   if (p.stream_multiwave) pdl_trigger();
@@ -199,16 +232,24 @@ __global__ void __launch_bounds__(kStreamWgThreads) stream_wg_kernel(const FwdPa
   // through a stage no wgmma reads any more: stage nst - 2's chain retired
   // before every thread passed the barrier of stage nst - 1 (and with fewer
   // than two stages, one was never filled).
-#pragma unroll
-  for (int i = 0; i < NA / 2; ++i)
-#pragma unroll
-    for (int o = 4; o < 32; o <<= 1) best[i] = max_nan(best[i], __shfl_xor_sync(0xffffffffu, best[i], o));
   float* red = reinterpret_cast<float*>(wg_smem + ((nst + NST - 2) % NST) * SB);  // [4][NQ]
-  if (g == 0)
+  uint64_t* red_k = reinterpret_cast<uint64_t*>(red);                              // [4][NQ] (ARG)
+  if constexpr (ARG) {
 #pragma unroll
-    for (int j = 0; j < NQ / 8; ++j)
+    for (int i = 0; i < NA / 2; ++i) {
+      uint64_t k = arg_key(best[i], bidx[i]);
 #pragma unroll
-      for (int e = 0; e < 2; ++e) red[warp * NQ + 8 * j + 2 * c + e] = best[2 * j + e];
+      for (int o = 4; o < 32; o <<= 1) k = max_u64(k, __shfl_xor_sync(0xffffffffu, k, o));
+      if (g == 0) red_k[warp * NQ + 8 * (i / 2) + 2 * c + (i % 2)] = k;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < NA / 2; ++i) {
+#pragma unroll
+      for (int o = 4; o < 32; o <<= 1) best[i] = max_nan(best[i], __shfl_xor_sync(0xffffffffu, best[i], o));
+      if (g == 0) red[warp * NQ + 8 * (i / 2) + 2 * c + (i % 2)] = best[i];
+    }
+  }
   __syncthreads();
   if (warp == 0) {
     // Lane l sums query rows l, l + 32, ... (one row for lq <= 32: the
@@ -218,11 +259,19 @@ __global__ void __launch_bounds__(kStreamWgThreads) stream_wg_kernel(const FwdPa
     for (int k = 0; k < (NQ + 31) / 32; ++k) {
       const int row = lane + 32 * k;
       float v = neg_inf();
-      if (row < NQ)
-        v = max_nan(max_nan(red[row], red[NQ + row]), max_nan(red[2 * NQ + row], red[3 * NQ + row]));
+      int vi = -1;
+      if (row < NQ) {
+        if constexpr (ARG) {
+          arg_unkey(max_u64(max_u64(red_k[row], red_k[NQ + row]), max_u64(red_k[2 * NQ + row], red_k[3 * NQ + row])),
+                    v, vi);
+        } else {
+          v = max_nan(max_nan(red[row], red[NQ + row]), max_nan(red[2 * NQ + row], red[3 * NQ + row]));
+        }
+      }
       bool use = ok && row < ql && v != neg_inf();
       if (use && p.q_mask != nullptr) use = p.q_mask[(int64_t)qs + row];
       part = k == 0 ? (use ? v : 0.f) : part + (use ? v : 0.f);
+      if (ARG && row < p.lq) store_argmax(p, pr * p.lq + row, use ? vi : -1);
     }
     const float sum = warp_sum(part);
     if (lane == 0) store_score(p, pr, ok, sum);
@@ -238,7 +287,7 @@ __global__ void __launch_bounds__(kStreamWgThreads) stream_wg_kernel(const FwdPa
 template <typename T>
 void run_stream_wg(const plan::StreamWgPlan& w, const FwdParams& p, cudaStream_t st);
 template <typename T>
-int stream_wg_blocks(int ks, int nq);
+int stream_wg_blocks(int ks, int nq, bool argmax);
 
 }  // namespace cuda_fwd
 }  // namespace maxsim

@@ -85,6 +85,14 @@ __global__ void segments_write_kernel(const SegJob j, const int* bad) {
   if (i < j.n) write_segment(j, i, *bad != 0);
 }
 
+__global__ void uniform_segments_kernel(int64_t n, int64_t extent, int32_t* start, int32_t* len) {
+  pdl_enter();
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+    start[i] = (int32_t)(i * extent);
+    len[i] = (int32_t)extent;
+  }
+}
+
 Ints ints(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, "maxsim: segments: ", what,
               " must be int32 or int64");
@@ -143,6 +151,19 @@ std::vector<at::Tensor> segments_cuda(at::TensorList offsets, at::IntArrayRef to
     launch_pdl(segments_write_kernel, dim3(grid), dim3(256), 0, stream, j, (const int*)bad.data_ptr<int>());
   }
   return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> uniform_segments_cuda(const at::Tensor& like, int64_t n, int64_t extent) {
+  TORCH_CHECK(like.is_cuda() && n >= 0, "maxsim: uniform_segments: a CUDA tensor and n >= 0");
+  c10::cuda::CUDAGuard guard(like.device());
+  const auto opts = at::TensorOptions().device(like.device()).dtype(at::kInt);
+  at::Tensor start = at::empty({n}, opts), len = at::empty({n}, opts);
+  if (n > 0) {
+    const unsigned grid = (unsigned)std::min<int64_t>((n + kThreads - 1) / kThreads, 1024);
+    launch_pdl(uniform_segments_kernel, dim3(grid), dim3(kThreads), 0, at::cuda::getCurrentCUDAStream(), n, extent,
+               start.data_ptr<int32_t>(), len.data_ptr<int32_t>());
+  }
+  return {start, len};
 }
 
 }  // namespace maxsim

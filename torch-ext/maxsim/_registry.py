@@ -35,6 +35,7 @@ DECODE_KEYS = add_op_namespace_prefix("decode_keys")
 RESCORE_TOPK = add_op_namespace_prefix("rescore_topk")
 BACKWARD = add_op_namespace_prefix("backward")
 SEGMENTS = add_op_namespace_prefix("segments")
+UNIFORM_SEGMENTS = add_op_namespace_prefix("uniform_segments")
 
 #: (op name, dispatch key) pairs served by the Python reference.
 FALLBACKS: set[tuple[str, str]] = set()
@@ -120,6 +121,11 @@ def _segments_fake(offsets, totals, max_lens, ints, lo, hi):
     return out + [t.new_empty(t.shape, dtype=torch.int32) for t in ints]
 
 
+@meta_kernel(UNIFORM_SEGMENTS)
+def _uniform_segments_fake(like, n, extent):
+    return like.new_empty((n,), dtype=torch.int32), like.new_empty((n,), dtype=torch.int32)
+
+
 def warn_fallback(op: str, key: str) -> None:
     warnings.warn(f"maxsim: no compiled {op} kernel for {key}; using the PyTorch reference",
                   stacklevel=3)
@@ -183,6 +189,11 @@ def _reference_segments(offsets, totals, max_lens, ints, lo, hi):
     return [t.clone() for t in reference.segments(offsets, totals, max_lens, ints, lo, hi)]
 
 
+def _reference_uniform_segments(like, n, extent):
+    warn_fallback("uniform_segments", like.device.type)
+    return reference.uniform_segments(like, n, extent)
+
+
 def register_fallbacks(impls) -> None:
     """Serves each ``(op, reference)`` pair from Python on the devices this
     build has no compiled kernel of the op for."""
@@ -197,4 +208,4 @@ register_fallbacks(((FORWARD, _reference_forward), (FORWARD_TRAIN, _reference_fo
                     (FORWARD_QUANT, _reference_forward_quant), (QUANTIZE, _reference_quantize),
                     (BLOCK_TOPK, _reference_block_topk), (DECODE_KEYS, _reference_decode_keys),
                     (RESCORE_TOPK, _reference_rescore_topk), (BACKWARD, _reference_backward),
-                    (SEGMENTS, _reference_segments)))
+                    (SEGMENTS, _reference_segments), (UNIFORM_SEGMENTS, _reference_uniform_segments)))

@@ -51,11 +51,11 @@ def index_cached(t: Tensor) -> bool:
     return id(t) in _CACHED_IDS
 
 
-def uniform_segments(n: int, extent: int, device) -> tuple[Tensor, Tensor]:
-    """(start, len) of n back-to-back segments of ``extent`` rows (cached)."""
-    return cached_index(("segments", n, extent), device,
-                        lambda: (torch.arange(n, device=device, dtype=torch.int32) * extent,
-                                 torch.full((n,), extent, device=device, dtype=torch.int32)))
+def uniform_segments(n: int, extent: int, like: Tensor) -> tuple[Tensor, Tensor]:
+    """(start, len) of n back-to-back segments of ``extent`` rows on ``like``'s
+    device (cached; one op, so a process's first call loads no torch kernel)."""
+    return cached_index(("segments", n, extent), like.device,
+                        lambda: tuple(ops.uniform_segments(like, n, extent)))
 
 
 def segments(offsets=(), ints=()) -> list:
@@ -71,10 +71,10 @@ def segments(offsets=(), ints=()) -> list:
     return ops.segments(*args)
 
 
-def padded_segments(n: int, extent: int, lengths: Optional[Tensor], device) -> tuple[Tensor, Tensor]:
-    """(start, len) of n padded rows of ``extent`` tokens; ``lengths`` outside
-    [0, extent] become -1 (an invalid segment: NaN score)."""
-    start, full = uniform_segments(n, extent, device)
+def padded_segments(n: int, extent: int, lengths: Optional[Tensor], like: Tensor) -> tuple[Tensor, Tensor]:
+    """(start, len) of n padded rows of ``extent`` tokens on ``like``'s device;
+    ``lengths`` outside [0, extent] become -1 (an invalid segment: NaN score)."""
+    start, full = uniform_segments(n, extent, like)
     if lengths is None:
         return start, full
     return start, segments(ints=[(lengths, 0, extent)])[0]

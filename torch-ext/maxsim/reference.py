@@ -27,6 +27,13 @@ def pair_ids(layout: int, nq: int, nd: int, pair_q=None, pair_d=None, device=Non
     return pair_q.long(), pair_d.long()
 
 
+def uniform_segments(like, n, extent):
+    """n back-to-back segments of ``extent`` rows on ``like``'s device: int32
+    start and length (the op's fallback where a build has no kernel)."""
+    start = torch.arange(n, device=like.device, dtype=torch.int64) * extent
+    return start.to(torch.int32), torch.full((n,), extent, device=like.device, dtype=torch.int32)
+
+
 def segments(offsets, totals, max_lens, ints, lo, hi):
     """Offsets -> (start, length) int32 segments, and int32 copies of ints
     with values outside [lo, hi] set to -1 (contract in torch_binding.h):

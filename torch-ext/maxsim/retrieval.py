@@ -63,7 +63,7 @@ def _queries(queries: Tensor, query_lengths, query_mask, device, validate):
         ql = ql.to(device)
         if should_validate(validate):
             validate_lengths("query_lengths", ql, Lq)
-    q_start, q_len = padded_segments(Nq, Lq, ql, device)
+    q_start, q_len = padded_segments(Nq, Lq, ql, queries)
     qm = None if query_mask is None else query_mask.to(device).reshape(-1).contiguous()
     flat = queries.view(Nq * Lq, d) if queries.is_contiguous() else queries.reshape(Nq * Lq, d).contiguous()
     return single, flat, q_start, q_len, qm, Nq, Lq

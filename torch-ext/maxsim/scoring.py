@@ -87,11 +87,10 @@ def _candidates(queries, documents, query_lengths, doc_lengths, *, mode, validat
             validate_lengths("query_lengths", query_lengths, Lq)
         if doc_lengths is not None:
             validate_lengths("doc_lengths", doc_lengths, Ld)
-    dev = queries.device
     if B * K == 0:
         return empty_result((B, K), Lq, queries, documents, mode)
-    q_start, q_len = uniform_segments(B, Lq, dev)
-    d_start, d_len = uniform_segments(B * K, Ld, dev)
+    q_start, q_len = uniform_segments(B, Lq, queries)
+    d_start, d_len = uniform_segments(B * K, Ld, queries)
     capped = iter(segments(ints=[(t, 0, e) for t, e in ((query_lengths, Lq), (doc_lengths, Ld)) if t is not None]))
     if query_lengths is not None:
         q_len = next(capped)
@@ -165,10 +164,9 @@ def _contrastive(queries, documents, document_offsets, query_lengths, *, mode, v
         validate_offsets("document_offsets", document_offsets, T)
         if query_lengths is not None:
             validate_lengths("query_lengths", query_lengths, Lq)
-    dev = queries.device
     if Nq * Nb == 0:
         return empty_result((Nq, Nb), Lq, queries, documents, mode)
-    q_start, q_len = uniform_segments(Nq, Lq, dev)
+    q_start, q_len = uniform_segments(Nq, Lq, queries)
     seg = segments([(document_offsets, T, -1)], [(query_lengths, 0, Lq)] if query_lengths is not None else [])
     d_start, d_len = seg[0], seg[1]
     if query_lengths is not None:
@@ -368,9 +366,8 @@ def _maxsim_plan(Q, D, q_mask, d_mask):
     n_docs = D.shape[0] * (D.shape[1] if D.dim() == 4 else 1)
     if Nq * n_docs == 0:
         return (Nq, D.shape[1] if D.dim() == 4 else D.shape[0])
-    dev = Q.device
-    q_start, q_len = uniform_segments(Nq, Lq, dev)
-    d_start, d_len = uniform_segments(n_docs, Ld, dev)
+    q_start, q_len = uniform_segments(Nq, Lq, Q)
+    d_start, d_len = uniform_segments(n_docs, Ld, Q)
     return (q_start, q_len, d_start, d_len, GROUPED if D.dim() == 4 else CROSS, Lq, Ld)
 
 
