@@ -6,17 +6,28 @@ Rows (``workload``, ``impl``, ``ms``, and per row ``floor_ms`` / recall / bytes)
 - rerank-<docs>-<nbits>b: 1 query x docs of 300 tokens, decompress + MaxSim
   (flat cu_seqlens layout; the peer's padded one too);
 - approx-<docs>: PLAID's centroid scores over docs of 300 tokens;
-- search-<docs>-<nbits>b: search on a plaid corpus vs exact bf16 search
-  (latency, recall@10 / @100, bytes per token) on clustered data, the exact
-  re-score on the decompressed tokens or on the kept originals;
+- search-<docs>[-ld<tokens>]-<nbits>b: top-100 search on a plaid corpus vs
+  exact bf16 search (latency of one query; recall@10 / @100 over 64 queries;
+  bytes per token) on a planted corpus (:func:`planted`: topics, words,
+  noisy tokens; queries drawn from a target document, :func:`planted_queries`),
+  re-scoring the decompressed tokens or the kept originals (``+rescore``),
+  with the default candidates (``max(4 k, 256)``), 1024, PLAID's centroid
+  pruning (``-t0.5``: ``centroid_threshold=0.5``) or the inverted lists
+  (``-p4``). Two corpora: 100k documents of 300 tokens (30M tokens,
+  exact bf16 7.7 GB) and 1M documents of 32 tokens (the same 32M tokens
+  spread over a million documents: 1M documents of 300 tokens need 77 GB of
+  bf16 for the exact baseline and the originals, and their build
+  -- nearest of 2^18 centroids for 3e8 tokens -- takes minutes);
 - head-fwd / head-train: MaxSim from hidden states [Nd, Ld, 768] through a
   768 -> 128 head, forward and forward + backward.
 
     python benchmarks/bench_plaid.py                 # GPU, the issue's sizes
     python benchmarks/bench_plaid.py --tiny          # seconds, CPU or GPU
     python benchmarks/bench_plaid.py --out $OUT/x.json
+    python benchmarks/bench_plaid.py --only search --search 1000000x300
 
-Writes bench_results/<gpu>-plaid.json (``cpu-plaid.json`` on the CPU).
+Prints rows as they are measured and writes the JSON after every section:
+bench_results/<gpu>-plaid.json (``cpu-plaid.json`` on the CPU).
 """
 
 from __future__ import annotations
@@ -138,18 +149,60 @@ def bench_approx(ms, lik, rows, dev, run, n, bw_gbs):
         try_row(rows, wl, "lik", lambda: lp.plaid_approx_score(qcs, pc, lens), run)
 
 
-def clustered(n, dev, gen, topics=4096):
-    cent = F.normalize(torch.randn(topics, D, device=dev, generator=gen), dim=-1)
-    docs = torch.empty(n, LD, D, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
-    step = max(1, (1 << 26) // (LD * D))
+def planted(n, ld, dev, gen, topics_per_doc=4, words_per_topic=32, words_per_doc_topic=8, spread=0.5, noise=0.3):
+    """A clustered corpus with a vocabulary, and queries drawn from it.
+
+    Topics are random unit vectors, one per 7500 corpus tokens (4000 for
+    100k documents of 300 tokens, each topic in about 100 documents); each
+    topic has ``words_per_topic`` words, ``normalize(topic + spread * u)``
+    (u a random unit vector: cosine 0.89 to the topic, 0.8 between words of
+    a topic). A document takes ``topics_per_doc`` topics and
+    ``words_per_doc_topic`` words of each; a token is one of its words plus
+    noise, ``normalize(word + noise * u)`` (cosine 0.96 to the word).
+    Returns the documents ``[n, ld, D]`` (bf16 on a GPU) and what
+    :func:`planted_queries` needs."""
+    T = n * ld
+    topics = max(8, T // 7500)
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    tv = F.normalize(torch.randn(topics, D, device=dev, generator=gen), dim=-1)
+    u = F.normalize(torch.randn(topics, words_per_topic, D, device=dev, generator=gen), dim=-1)
+    words = F.normalize(tv[:, None] + spread * u, dim=-1).reshape(-1, D)  # word id = topic * W + w
+    doc_topics = torch.randint(0, topics, (n, topics_per_doc), device=dev, generator=gen)
+    doc_words = torch.randint(0, words_per_topic, (n, topics_per_doc, words_per_doc_topic), device=dev,
+                              generator=gen)
+    docs = torch.empty(n, ld, D, device=dev, dtype=dt)
+    token_word = torch.empty(n, ld, device=dev, dtype=torch.int32)
+    step = max(1, (1 << 25) // (ld * D))
     for i in range(0, n, step):
         m = min(step, n - i)
-        # each document mixes a few topics, tokens = topic + noise
-        topic = torch.randint(0, topics, (m, 8), device=dev, generator=gen)
-        pick = torch.randint(0, 8, (m, LD), device=dev, generator=gen)
-        x = cent[topic.gather(1, pick)] * 3.0 + torch.randn(m, LD, D, device=dev, generator=gen) / D ** 0.5 * 3.0
-        docs[i:i + m] = F.normalize(x, dim=-1).to(docs.dtype)
-    return docs, cent
+        slot = torch.randint(0, topics_per_doc, (m, ld), device=dev, generator=gen)
+        pick = torch.randint(0, words_per_doc_topic, (m, ld), device=dev, generator=gen)
+        t = doc_topics[i:i + m].gather(1, slot)
+        w = doc_words[i:i + m].reshape(m, -1).gather(1, slot * words_per_doc_topic + pick)
+        wid = t * words_per_topic + w
+        x = words[wid] + noise * F.normalize(torch.randn(m, ld, D, device=dev, generator=gen), dim=-1)
+        docs[i:i + m] = F.normalize(x, dim=-1).to(dt)
+        token_word[i:i + m] = wid.to(torch.int32)
+    return docs, dict(words=words, token_word=token_word, doc_topics=doc_topics, W=words_per_topic, noise=noise)
+
+
+def planted_queries(world, nq, dev, gen, expand=0.25):
+    """Queries of LQ tokens, each relevant to one target document as in a
+    ColBERT evaluation: three quarters of the tokens are words of random
+    tokens of the target (re-noised, as a paraphrase), the rest other words
+    of the target's topics (query expansion). The target ranks first and the
+    rest of the top-10 are documents sharing its topics and words, so the
+    top-10 is separated rather than a draw among near-ties."""
+    tw, words, W = world["token_word"], world["words"], world["W"]
+    n, ld = tw.shape
+    target = torch.randint(0, n, (nq,), device=dev, generator=gen)
+    wid = tw[target[:, None], torch.randint(0, ld, (nq, LQ), device=dev, generator=gen)].long()
+    topic = world["doc_topics"][target[:, None],
+                                torch.randint(0, world["doc_topics"].shape[1], (nq, LQ), device=dev, generator=gen)]
+    other = topic * W + torch.randint(0, W, (nq, LQ), device=dev, generator=gen)
+    wid = torch.where(torch.rand(nq, LQ, device=dev, generator=gen) < expand, other, wid)
+    q = words[wid] + world["noise"] * F.normalize(torch.randn(nq, LQ, D, device=dev, generator=gen), dim=-1)
+    return F.normalize(q, dim=-1)
 
 
 def recall(ids, ref, k):
@@ -157,33 +210,47 @@ def recall(ids, ref, k):
     return round(sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(ids, ref)) / ids.numel(), 4)
 
 
-def bench_search(ms, rows, dev, run, n, nq, reps):
+def bench_search(ms, rows, dev, run, n, ld, nq, reps, nbits_list=(2, 4), flush=None):
+    """Latency of one query (top-100); recall over ``nq`` queries."""
     gen = torch.Generator(device=dev).manual_seed(2)
-    docs, cent = clustered(n, dev, gen)
-    topic = torch.randint(0, cent.shape[0], (nq, LQ), device=dev, generator=gen)
-    Q = F.normalize(cent[topic] + 0.3 * torch.randn(nq, LQ, D, device=dev, generator=gen), dim=-1).to(docs.dtype)
-    exact = ms.Corpus(docs, device=dev, storage="cpu" if dev.type == "cpu" else "device")
+    docs, world = planted(n, ld, dev, gen)
+    Q = planted_queries(world, nq, dev, gen).to(docs.dtype)
+    del world
+    Q1 = Q[:1]
+    storage = "cpu" if dev.type == "cpu" else "device"
+    exact = ms.Corpus(docs, device=dev, storage=storage)
     _, ref = ms.search(Q, exact, 100)
-    row(rows, f"search-{n}", "maxsim-exact-bf16", run(lambda: ms.search(Q, exact, 100), reps=reps),
-        bytes_per_token=D * docs.element_size())
+    size = f"{n // 10**6}m" if n % 10**6 == 0 else f"{n // 1000}k" if n % 1000 == 0 else str(n)
+    wl = f"search-{size}" + ("" if ld == LD else f"-ld{ld}")
+    row(rows, wl, "maxsim-exact-bf16", run(lambda: ms.search(Q1, exact, 100), reps=reps),
+        recall10=1.0, recall100=1.0, bytes_per_token=D * docs.element_size())
     del exact
-    for nbits in (2, 4):
+    centroids = None
+    for nbits in nbits_list:
         t0 = time.perf_counter()
-        pc = ms.Corpus(docs, device=dev, storage="cpu" if dev.type == "cpu" else "device", quantization="plaid",
-                       nbits=nbits, rescore="device")
+        opts = {} if centroids is None else {"centroids": centroids}
+        pc = ms.Corpus(docs, device=dev, storage=storage, quantization="plaid", nbits=nbits, rescore="device",
+                       plaid=opts)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
         build_s = round(time.perf_counter() - t0, 2)
+        centroids = pc.plaid.centroids
         # the same corpus re-scoring on its decompressed tokens, then on its originals
-        originals, pc.originals = pc.originals, None
-        for cands, nprobe, orig in ((1000, None, False), (4000, None, False), (1000, 32, False), (1000, None, True)):
+        originals = pc.originals
+        for cands, nprobe, thr, orig in ((None, None, None, False), (None, None, None, True),
+                                         (None, None, 0.5, False), (None, None, 0.5, True),
+                                         (1024, None, None, False), (1024, None, None, True), (None, 4, None, True)):
             pc.originals = originals if orig else None
-            _, ids = ms.search(Q, pc, 100, candidates=cands, nprobe=nprobe)
-            label = f"maxsim-plaid-c{cands}" + (f"-p{nprobe}" if nprobe else "") + ("+rescore-device" if orig else "")
-            row(rows, f"search-{n}-{nbits}b", label,
-                run(lambda: ms.search(Q, pc, 100, candidates=cands, nprobe=nprobe), reps=reps),
+            opts = dict(candidates=cands, nprobe=nprobe, centroid_threshold=thr)
+            _, ids = ms.search(Q, pc, 100, **opts)
+            label = ("maxsim-plaid" + (f"-c{cands}" if cands else "") + (f"-p{nprobe}" if nprobe else "")
+                     + (f"-t{thr}" if thr else "") + ("+rescore-device" if orig else ""))
+            row(rows, f"{wl}-{nbits}b", label, run(lambda: ms.search(Q1, pc, 100, **opts), reps=reps),
                 recall10=recall(ids, ref, 10), recall100=recall(ids, ref, 100),
-                bytes_per_token=pc.plaid.bytes_per_token, build_s=build_s,
-                centroids=pc.plaid.centroids.shape[0])
-        del pc
+                bytes_per_token=pc.plaid.bytes_per_token, build_s=build_s, centroids=pc.plaid.centroids.shape[0])
+        del pc, originals
+        if flush:
+            flush()
     del docs
 
 
@@ -221,7 +288,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", action="store_true", help="small sizes (CPU or GPU, seconds)")
     ap.add_argument("--only", default="rerank,approx,search,head")
-    ap.add_argument("--search-docs", type=int, default=None)
+    ap.add_argument("--search", default=None,
+                    help="search corpora as DOCSxTOKENS,... (default 1000000x32,100000x300; tiny 200x60)")
+    ap.add_argument("--search-docs", type=int, default=None, help="one search corpus of this many 300-token docs")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     ms = load_maxsim()
@@ -237,28 +306,41 @@ def main():
     bw_gbs = bandwidth(dev)
     only = set(args.only.split(","))
     rows = []
+    t_start = time.perf_counter()
+
+    def flush():
+        """Write what is measured so far (a later section failing or timing out keeps it)."""
+        if dev.type == "cuda":
+            write_results(rows, args.out, "-plaid", bandwidth_gbs=bw_gbs, tiny=tiny)
+        else:
+            import json
+
+            out = Path(args.out or Path(__file__).resolve().parent.parent / "bench_results" / "cpu-plaid.json")
+            out.write_text(json.dumps(dict(meta=dict(gpu="cpu", torch=torch.__version__, tiny=True), rows=rows),
+                                      indent=2) + "\n")
+            print(f"wrote {out}")
+        print(f"-- {time.perf_counter() - t_start:.0f} s", flush=True)
+
+    if "search" in only:
+        spec = args.search or (f"{args.search_docs}x{LD}" if args.search_docs else
+                               ("200x60" if tiny else "1000000x32,100000x300"))
+        for i, part in enumerate(spec.split(",")):
+            n, ld = (int(v) for v in part.split("x"))
+            bench_search(ms, rows, dev, run, n, ld, 8 if tiny else 64, 3 if tiny else 10,
+                         (2, 4) if i == len(spec.split(",")) - 1 else (2,), flush)
     if "rerank" in only:
         bench_rerank(ms, lik, rows, dev, run, [20] if tiny else [1000, 10000], bw_gbs)
+        flush()
     if "approx" in only:
         bench_approx(ms, lik, rows, dev, run, 200 if tiny else 1_000_000, bw_gbs)
-    if "search" in only:
-        bench_search(ms, rows, dev, run, args.search_docs or (300 if tiny else 100_000), 4 if tiny else 16,
-                     3 if tiny else 5)
+        flush()
     if "head" in only:
         if tiny:
             bench_head(ms, lik, rows, dev, run, 2, 8, 40, dm=64)
         else:
             bench_head(ms, lik, rows, dev, run, 1, 1000, 300)
             bench_head(ms, lik, rows, dev, run, 32, 32, 180)
-    if dev.type == "cuda":
-        write_results(rows, args.out, "-plaid", bandwidth_gbs=bw_gbs, tiny=tiny)
-    else:
-        out = Path(args.out or Path(__file__).resolve().parent.parent / "bench_results" / "cpu-plaid.json")
-        import json
-
-        out.write_text(json.dumps(dict(meta=dict(gpu="cpu", torch=torch.__version__, tiny=True), rows=rows),
-                                  indent=2) + "\n")
-        print(f"wrote {out}")
+        flush()
 
 
 if __name__ == "__main__":

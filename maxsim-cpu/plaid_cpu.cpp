@@ -47,15 +47,18 @@ struct Decoder {
 }  // namespace
 
 at::Tensor plaid_approx_cpu(const at::Tensor& qcs_in, const at::Tensor& codes_in, const at::Tensor& d_start_in,
-                            const at::Tensor& d_len_in) {
+                            const at::Tensor& d_len_in, const std::optional<at::Tensor>& keep_in) {
   TORCH_CHECK(qcs_in.dim() == 3 && qcs_in.scalar_type() == at::kFloat && qcs_in.device().is_cpu(),
               "maxsim: plaid_approx qcs must be float32 [Nq, C, Lq]");
   TORCH_CHECK(codes_in.dim() == 1 && codes_in.scalar_type() == at::kInt && codes_in.device().is_cpu(),
               "maxsim: plaid_approx codes must be int32 [T]");
   plaid::check_segments(d_start_in, d_len_in, qcs_in.device());
+  plaid::check_keep(keep_in, qcs_in);
   const at::Tensor qcs = qcs_in.contiguous(), codes = codes_in.contiguous();
   const at::Tensor st = d_start_in.contiguous(), ln = d_len_in.contiguous();
   const int64_t nq = qcs.size(0), C = qcs.size(1), lq = qcs.size(2), nd = st.size(0), T = codes.size(0);
+  const at::Tensor keep = keep_in ? keep_in->contiguous() : at::Tensor();
+  const uint8_t* kp = keep_in ? keep.data_ptr<uint8_t>() : nullptr;
   at::Tensor out = at::empty({nq, nd}, qcs.options());
   const float* qp = qcs.data_ptr<float>();
   const int32_t* cp = codes.data_ptr<int32_t>();
@@ -72,12 +75,16 @@ at::Tensor plaid_approx_cpu(const at::Tensor& qcs_in, const at::Tensor& codes_in
         continue;
       }
       std::fill(m.begin(), m.end(), kNegInf);
+      bool any = false;
       for (int64_t t = s0; t < s0 + len; ++t) {
-        const float* row = qp + (i * C + plaid::clamp_code(cp[t], C)) * lq;
+        const int64_t c = plaid::clamp_code(cp[t], C);
+        if (kp && !kp[i * C + c]) continue;
+        any = true;
+        const float* row = qp + (i * C + c) * lq;
         for (int64_t s = 0; s < lq; ++s) m[s] = std::max(m[s], row[s]);
       }
       float acc = 0.f;
-      for (int64_t s = 0; s < lq; ++s) acc += len ? m[s] : 0.f;
+      for (int64_t s = 0; s < lq; ++s) acc += any ? m[s] : 0.f;
       op[p] = acc;
     }
   });

@@ -182,6 +182,40 @@ def test_approx_scores_match_reference(ms, device, lq):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("lq", [1, 32, 33])
+def test_approx_scores_centroid_pruning(ms, device, lq):
+    """keep: only tokens of kept centroids count, per query; a query token
+    no kept token reaches adds 0; all kept = no pruning."""
+    lens = [0, 1, 15, 40, 301, 7]
+    C = 23
+    lengths = torch.tensor(lens)
+    codes, res, cent, bw = _codec(ms, sum(lens), 8, C, 2, device, seed=lq + 5)
+    pc, _ = _padded(codes, res, lengths, max(lens))
+    g = torch.Generator().manual_seed(lq)
+    qcs = torch.randn(3, C, lq, generator=g).to(device)
+    keep = torch.rand(3, C, generator=g) < 0.3
+    keep[2] = False  # nothing kept: every document scores 0
+    keep = keep.to(device)
+    ref = ms.plaid.approx_scores_reference(qcs, pc, lengths.to(device), keep)
+    out = ms.plaid.approx_scores(qcs, pc, lengths.to(device), keep=keep)
+    assert relerr(out, ref, floor=1.0) < 1e-6
+    assert torch.all(out[2] == 0) and torch.all(out[:, 0] == 0)
+    # brute force for one document: the kept tokens' best score per query token
+    c = pc[4, :301].long().clamp(0, C - 1)
+    c = torch.where((codes[sum(lens[:4]):sum(lens[:5])].long() >= 0)
+                    & (codes[sum(lens[:4]):sum(lens[:5])].long() < C), c, 0)
+    live = keep[0][c]
+    want = qcs[0][c[live]].amax(0).sum() if bool(live.any()) else torch.zeros(())
+    assert abs(out[0, 4].item() - want.item()) < 1e-4
+    assert bool((out[:2] != ms.plaid.approx_scores(qcs[:2], pc, lengths.to(device))).any())  # pruning changes scores
+    cu = torch.tensor([0] + torch.cumsum(lengths, 0).tolist(), dtype=torch.int32, device=device)
+    assert torch.equal(ms.plaid.approx_scores(qcs, codes, cu_seqlens=cu, keep=torch.ones(C, dtype=torch.bool,
+                                                                                          device=device)),
+                       ms.plaid.approx_scores(qcs, codes, cu_seqlens=cu))
+    assert relerr(ms.plaid.approx_scores(qcs[1], codes, cu_seqlens=cu, keep=keep[1]), ref[1], floor=1.0) < 1e-6
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_forward_pairs_and_argmax(ms, device):
     """plaid_forward's pair layout (search re-scoring) and argmax against the
     cross layout."""
@@ -209,6 +243,9 @@ def test_opcheck_fake_kernels(ms):
     ln = torch.tensor([10, 0, 20], dtype=torch.int32)
     q = torch.randn(2, 5, 10)
     torch.library.opcheck(ms.ops.plaid_approx.default, (torch.randn(2, 6, 5), codes, st, ln))
+    torch.library.opcheck(ms.ops.plaid_approx.default,
+                          (torch.randn(2, 6, 5), codes, st, ln, torch.tensor([[1, 0, 1, 0, 1, 1]] * 2,
+                                                                             dtype=torch.uint8)))
     torch.library.opcheck(ms.ops.plaid_forward.default, (q, codes, res, cent, bw, st, ln, None, 4, True, True))
     _, am = ms.ops.plaid_forward(q, codes, res, cent, bw, st, ln, None, 4, True, True)
     torch.library.opcheck(ms.ops.plaid_backward.default,
@@ -268,6 +305,60 @@ def test_plaid_corpus_search_recall(ms, device):
     s_o, ids_o = ms.search(Q.to(device), keep, 10, candidates=200)
     s_e, _ = ms.search(Q.to(device), exact, 10)
     assert (s_o - s_e).abs().max().item() < 1e-3  # exact scores of the originals (cosine)
+
+
+def _planted(N, L, d, gen, topics=60, W=16, per_doc=3, words=4, Nq=12, Lq=32):
+    """A corpus of topics and words (tokens: a word of one of the document's
+    topics plus noise) and queries drawn from a target document's words, as
+    benchmarks/bench_plaid.py generates them: the top-10 is separated."""
+    nrm = torch.nn.functional.normalize
+    tv = nrm(torch.randn(topics, d, generator=gen), dim=-1)
+    vocab = nrm(tv[:, None] + 0.5 * nrm(torch.randn(topics, W, d, generator=gen), dim=-1), dim=-1).reshape(-1, d)
+    dt = torch.randint(0, topics, (N, per_doc), generator=gen)
+    dw = torch.randint(0, W, (N, per_doc, words), generator=gen)
+    slot = torch.randint(0, per_doc, (N, L), generator=gen)
+    wid = dt.gather(1, slot) * W + dw.reshape(N, -1).gather(1, slot * words + torch.randint(0, words, (N, L),
+                                                                                              generator=gen))
+    docs = nrm(vocab[wid] + 0.3 * nrm(torch.randn(N, L, d, generator=gen), dim=-1), dim=-1)
+    target = torch.randperm(N, generator=gen)[:Nq]
+    qw = wid[target[:, None], torch.randint(0, L, (Nq, Lq), generator=gen)]
+    Q = nrm(vocab[qw] + 0.3 * nrm(torch.randn(Nq, Lq, d, generator=gen), dim=-1), dim=-1)
+    return docs, Q, target
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_plaid_search_planted_recall_exact_with_originals(ms, device):
+    """On a corpus whose queries are relevant to a few documents, the
+    approximate stage's candidates (4k of 5000 documents) hold the whole
+    exact top-k, so re-scoring the originals returns the exact top-k; the
+    2-bit re-score finds nearly all of it."""
+    g = torch.Generator().manual_seed(3)
+    docs, Q, target = _planted(5000, 20, 32, g)
+    storage = "cpu" if device == "cpu" else "device"
+    exact = ms.Corpus(docs, device=device, storage=storage)
+    s_ref, ref = ms.search(Q.to(device), exact, 10)
+    assert torch.equal(ref[:, 0].cpu(), target)  # the planted document ranks first
+    keep = ms.Corpus(docs, device=device, storage=storage, quantization="plaid", nbits=2, rescore="device",
+                     plaid={"num_centroids": 256})
+    s, ids = ms.search(Q.to(device), keep, 10, candidates=40)
+    assert torch.equal(ids.cpu(), ref.cpu())
+    assert (s - s_ref).abs().max().item() < 1e-3
+    # the approximate scores alone rank the planted document first
+    qcs = keep.plaid.centroids @ torch.nn.functional.normalize(Q.to(device).float(), dim=-1).transpose(1, 2)
+    approx = ms.plaid.approx_scores(qcs, keep.plaid.codes, cu_seqlens=torch.arange(0, 5001 * 20, 20,
+                                                                                      device=device))
+    assert torch.equal(approx.argmax(1).cpu(), target)
+    # PLAID's centroid pruning keeps the candidates while skipping most
+    # tokens (at d = 32 unrelated cosines spread 4x wider than at d = 128,
+    # where PLAID uses 0.4-0.5)
+    kept = (qcs.amax(2) >= 0.3)[:, keep.plaid.codes.long()].float().mean().item()
+    assert kept < 0.5, kept
+    s_t, ids_t = ms.search(Q.to(device), keep, 10, candidates=40, centroid_threshold=0.3)
+    assert torch.equal(ids_t.cpu(), ref.cpu())
+    keep.originals = None
+    _, ids2 = ms.search(Q.to(device), keep, 10, candidates=40)
+    hit = sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(ids2.cpu(), ref.cpu())) / ref.numel()
+    assert hit >= 0.8, hit
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -19,6 +19,14 @@ inline void check_segments(const at::Tensor& d_start, const at::Tensor& d_len, c
               "maxsim: plaid d_start / d_len must be int32 [Nd] on the codes' device");
 }
 
+// plaid_approx's centroid mask: uint8 [Nq, C] on qcs' device.
+inline void check_keep(const std::optional<at::Tensor>& keep, const at::Tensor& qcs) {
+  if (!keep.has_value()) return;
+  TORCH_CHECK(keep->scalar_type() == at::kByte && keep->dim() == 2 && keep->size(0) == qcs.size(0) &&
+                  keep->size(1) == qcs.size(1) && keep->device() == qcs.device(),
+              "maxsim: plaid_approx keep must be uint8 [Nq, C] on qcs' device");
+}
+
 inline Shapes check_forward(const at::Tensor& q, const at::Tensor& codes, const at::Tensor& residuals,
                             const at::Tensor& centroids, const at::Tensor& bucket_weights, const at::Tensor& d_start,
                             const at::Tensor& d_len, const std::optional<at::Tensor>& pair_q, int64_t nbits) {

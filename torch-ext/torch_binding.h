@@ -191,9 +191,11 @@ using UniformSegmentsFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor& l
 //
 // plaid_approx: qcs [Nq, C, Lq] fp32 (query-token x centroid scores) ->
 // scores [Nq, Nd] fp32, score[i, n] = sum over s of max over the tokens t of
-// n of qcs[i, codes[t], s]; an empty document scores 0.
+// n of qcs[i, codes[t], s]; an empty document scores 0. With keep (uint8
+// [Nq, C], PLAID's centroid pruning) only the tokens whose centroid query i
+// keeps (non-zero) count, and a query token no kept token reaches adds 0.
 using PlaidApproxFn = at::Tensor(const at::Tensor& qcs, const at::Tensor& codes, const at::Tensor& d_start,
-                                 const at::Tensor& d_len);
+                                 const at::Tensor& d_len, const std::optional<at::Tensor>& keep);
 // plaid_forward: q [Nq, Lq, d] fp32 -> (scores, argmax): MaxSim of query
 // pair_q[n] (int32 [Nd]; absent: every query, scores [Nq, Nd]) against the
 // decompressed tokens of document n, each token divided by max(|x|, 1e-12)

@@ -154,8 +154,8 @@ __global__ void __launch_bounds__(kThreads) plaid_forward_kernel(
 
 __global__ void plaid_approx_kernel(const float* __restrict__ qcs, const int32_t* __restrict__ codes,
                                     const int32_t* __restrict__ d_start, const int32_t* __restrict__ d_len,
-                                    int64_t n_centroids, int64_t lq, int64_t nd, int64_t pairs, int64_t tokens,
-                                    float* __restrict__ out) {
+                                    const uint8_t* __restrict__ keep, int64_t n_centroids, int64_t lq, int64_t nd,
+                                    int64_t pairs, int64_t tokens, float* __restrict__ out) {
   const int lane = threadIdx.x & 31;
   const int64_t p = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (p >= pairs) return;
@@ -167,11 +167,32 @@ __global__ void plaid_approx_kernel(const float* __restrict__ qcs, const int32_t
     return;
   }
   const float* qi = qcs + i * n_centroids * lq;
+  const uint8_t* ki = keep ? keep + i * n_centroids : nullptr;
   float score = 0.f;
   for (int64_t s0 = 0; s0 < lq; s0 += 32) {
     const int64_t s = s0 + lane;
     const bool valid = s < lq;
     float m = -INFINITY;
+    bool any = len > 0;
+    if (ki) {
+      // Centroid pruning: the lanes test their own token's centroid, and the
+      // warp gathers the score rows of the kept tokens only.
+      any = false;
+      for (int64_t t0 = 0; t0 < len; t0 += 32) {
+        const int cnt = len - t0 < 32 ? (int)(len - t0) : 32;
+        const int32_t mine = lane < cnt ? plaid::clamp_code(codes[start + t0 + lane], n_centroids) : 0;
+        unsigned live = __ballot_sync(0xffffffffu, lane < cnt && ki[mine] != 0);
+        any = any || live != 0u;
+        while (live) {
+          const int j = __ffs(live) - 1;
+          live &= live - 1u;
+          const int32_t c = __shfl_sync(0xffffffffu, mine, j);
+          if (valid) m = fmaxf(m, qi[c * lq + s]);
+        }
+      }
+      score += warp_sum(valid && any ? m : 0.f);
+      continue;
+    }
     for (int64_t t0 = 0; t0 < len; t0 += 32) {
       const int cnt = len - t0 < 32 ? (int)(len - t0) : 32;
       const int32_t mine = lane < cnt ? plaid::clamp_code(codes[start + t0 + lane], n_centroids) : 0;
@@ -190,7 +211,7 @@ __global__ void plaid_approx_kernel(const float* __restrict__ qcs, const int32_t
         if (valid) m = fmaxf(m, qi[c * lq + s]);
       }
     }
-    score += warp_sum(valid && len > 0 ? m : 0.f);
+    score += warp_sum(valid && any ? m : 0.f);
   }
   if (lane == 0) out[p] = score;
 }
@@ -252,14 +273,16 @@ Codec codec_of(const at::Tensor& codes, const at::Tensor& res, const at::Tensor&
 }  // namespace
 
 at::Tensor plaid_approx_cuda(const at::Tensor& qcs_in, const at::Tensor& codes_in, const at::Tensor& st_in,
-                             const at::Tensor& ln_in) {
+                             const at::Tensor& ln_in, const std::optional<at::Tensor>& keep_in) {
   TORCH_CHECK(qcs_in.is_cuda() && qcs_in.dim() == 3 && qcs_in.scalar_type() == at::kFloat,
               "maxsim: plaid_approx qcs must be float32 [Nq, C, Lq]");
   TORCH_CHECK(codes_in.dim() == 1 && codes_in.scalar_type() == at::kInt && codes_in.device() == qcs_in.device(),
               "maxsim: plaid_approx codes must be int32 [T] on qcs' device");
   plaid::check_segments(st_in, ln_in, qcs_in.device());
+  plaid::check_keep(keep_in, qcs_in);
   c10::cuda::CUDAGuard guard(qcs_in.device());
   const at::Tensor qcs = qcs_in.contiguous(), codes = codes_in.contiguous();
+  const at::Tensor keep = keep_in ? keep_in->contiguous() : at::Tensor();
   const at::Tensor st = st_in.contiguous(), ln = ln_in.contiguous();
   const int64_t nq = qcs.size(0), nd = st.size(0), pairs = nq * nd;
   at::Tensor out = at::empty({nq, nd}, qcs.options());
@@ -267,8 +290,9 @@ at::Tensor plaid_approx_cuda(const at::Tensor& qcs_in, const at::Tensor& codes_i
   const int threads = 256, per_block = threads / 32;
   plaid_approx_kernel<<<(unsigned)((pairs + per_block - 1) / per_block), threads, 0,
                         at::cuda::getCurrentCUDAStream()>>>(
-      qcs.data_ptr<float>(), codes.data_ptr<int32_t>(), st.data_ptr<int32_t>(), ln.data_ptr<int32_t>(), qcs.size(1),
-      qcs.size(2), nd, pairs, codes.size(0), out.data_ptr<float>());
+      qcs.data_ptr<float>(), codes.data_ptr<int32_t>(), st.data_ptr<int32_t>(), ln.data_ptr<int32_t>(),
+      keep_in ? keep.data_ptr<uint8_t>() : nullptr, qcs.size(1), qcs.size(2), nd, pairs, codes.size(0),
+      out.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }

@@ -166,7 +166,7 @@ def compress(x: Tensor, centroids: Tensor, bucket_cutoffs: Tensor, nbits: int) -
 # -- op plumbing: fake kernels, references for devices without a kernel --------
 
 @meta_kernel(PLAID_APPROX)
-def _approx_fake(qcs, codes, d_start, d_len):
+def _approx_fake(qcs, codes, d_start, d_len, keep=None):
     return qcs.new_empty((qcs.shape[0], d_start.shape[0]))
 
 
@@ -195,14 +195,17 @@ def _padded_tokens(values: Tensor, d_start: Tensor, d_len: Tensor, fill) -> tupl
     return values[rows.clamp(0, values.shape[0] - 1)], valid
 
 
-def _reference_approx(qcs, codes, d_start, d_len):
+def _reference_approx(qcs, codes, d_start, d_len, keep=None):
     nq, C, _ = qcs.shape
     c = codes.long()
     c = torch.where((c >= 0) & (c < C), c, 0)
     cc, valid = _padded_tokens(c, d_start, d_len, 0)  # [Nd, L]
     g = qcs[:, cc] if C else qcs.new_zeros((nq,) + cc.shape + (qcs.shape[2],))  # [Nq, Nd, L, Lq]
-    g = g.masked_fill(~valid[None, :, :, None], float("-inf")).amax(2)
-    return torch.where(valid.any(1)[None, :, None], g, 0.0).sum(-1).float()
+    live = valid[None].expand(nq, -1, -1)
+    if keep is not None and C:
+        live = live & (keep[:, cc] != 0)  # [Nq, Nd, L]: tokens of kept centroids
+    g = g.masked_fill(~live[..., None], float("-inf")).amax(2)
+    return torch.where(live.any(2)[..., None], g, 0.0).sum(-1).float()
 
 
 def _reference_forward(q, codes, residuals, centroids, bucket_weights, d_start, d_len, pair_q, nbits, normalize,
@@ -335,15 +338,21 @@ def maxsim_residual_varlen(Q: Tensor, codes: Tensor, residuals: Tensor, cu_seqle
 
 
 def approx_scores(query_centroid_scores: Tensor, codes: Tensor, doc_lengths: Optional[Tensor] = None, *,
-                  cu_seqlens: Optional[Tensor] = None) -> Tensor:
+                  cu_seqlens: Optional[Tensor] = None, keep: Optional[Tensor] = None) -> Tensor:
     """PLAID's approximate scores: ``sum_s max_t qcs[codes[t], s]`` over each
     document's tokens. ``query_centroid_scores``: ``[C, Lq]`` (one query,
     e.g. ``centroids @ Q.T``) or ``[Nq, C, Lq]``; ``codes [Nd, L]`` with
     ``doc_lengths [Nd]``, or flat ``codes [T]`` with ``cu_seqlens [Nd+1]``.
-    An empty document scores 0. Returns fp32 ``[Nd]`` or ``[Nq, Nd]``."""
+    An empty document scores 0. ``keep`` (bool ``[C]`` / ``[Nq, C]``,
+    PLAID's centroid pruning, e.g. ``qcs.amax(-1) >= 0.45``): only tokens of
+    kept centroids count (the scan skips the others' score rows), and a
+    query token that no kept token reaches adds 0. Returns fp32 ``[Nd]`` or
+    ``[Nq, Nd]``."""
     qcs = query_centroid_scores
     single = qcs.dim() == 2
     qcs = (qcs[None] if single else qcs).float().contiguous()
+    if keep is not None:
+        keep = (keep[None] if keep.dim() == 1 else keep).to(torch.uint8).expand(qcs.shape[0], -1).contiguous()
     if cu_seqlens is not None:
         st, ln = _segments_varlen(cu_seqlens)
         flat = codes
@@ -352,19 +361,22 @@ def approx_scores(query_centroid_scores: Tensor, codes: Tensor, doc_lengths: Opt
             raise ValueError("padded codes [Nd, L] need doc_lengths [Nd] (or pass flat codes with cu_seqlens)")
         st, ln = _segments_padded(codes, doc_lengths)
         flat = codes.reshape(-1)
-    out = ops.plaid_approx(qcs, flat.to(torch.int32).contiguous(), st, ln)
+    out = ops.plaid_approx(qcs, flat.to(torch.int32).contiguous(), st, ln, keep)
     return out[0] if single else out
 
 
 # -- fp64 references -------------------------------------------------------------
 
-def approx_scores_reference(query_centroid_scores: Tensor, codes: Tensor, doc_lengths: Tensor) -> Tensor:
+def approx_scores_reference(query_centroid_scores: Tensor, codes: Tensor, doc_lengths: Tensor,
+                            keep: Optional[Tensor] = None) -> Tensor:
     """Dense fp64 reference of :func:`approx_scores` (padded codes)."""
     qcs = query_centroid_scores.double()
     single = qcs.dim() == 2
     qcs = qcs[None] if single else qcs
+    if keep is not None:
+        keep = (keep[None] if keep.dim() == 1 else keep).expand(qcs.shape[0], -1)
     st, ln = _segments_padded(codes, doc_lengths)
-    out = _reference_approx(qcs, codes.reshape(-1), st, ln).double()
+    out = _reference_approx(qcs, codes.reshape(-1), st, ln, keep).double()
     return out[0] if single else out
 
 
@@ -412,20 +424,25 @@ class PlaidIndex:
 
     @classmethod
     def build(cls, tokens: Tensor, starts: Tensor, lengths: Tensor, nbits: int, *, centroids: Optional[Tensor] = None,
-              num_centroids: Optional[int] = None, kmeans_iters: int = 10, sample: int = 1 << 18,
+              num_centroids: Optional[int] = None, kmeans_iters: int = 10, sample: Optional[int] = None,
               seed: int = 0) -> "PlaidIndex":
         """Compress ``tokens [T, d]`` (on their device): k-means centroids
         (``num_centroids``, default ``2^round(log2(16 sqrt(T)))`` as ColBERTv2,
-        trained on ``sample`` tokens) unless given, buckets from the residuals
-        of the sample, then codes and packed residuals."""
+        trained on ``sample`` tokens, default ``max(2^18, 16 x centroids)``)
+        unless given, buckets from the residuals of the sample, then codes and
+        packed residuals."""
+        import math
+
         _check_nbits(nbits)
         T = tokens.shape[0]
+        k = num_centroids or 2 ** max(1, round(math.log2(16 * math.sqrt(max(T, 1)))))
+        # A few sample tokens per centroid leave most centroids on single
+        # tokens and the residuals larger: 16 per centroid at least.
+        sample = sample or max(1 << 18, 16 * k)
         g = torch.Generator(device="cpu").manual_seed(seed)
         pick = torch.randperm(T, generator=g)[: min(T, sample)].to(tokens.device)
         train = tokens[pick].float()
         if centroids is None:
-            import math
-            k = num_centroids or 2 ** max(1, round(math.log2(16 * math.sqrt(max(T, 1)))))
             centroids = kmeans(train, k, iters=kmeans_iters, seed=seed)
         centroids = centroids.to(tokens.device).float()
         r = train - centroids[nearest_centroid(train, centroids).long()]
@@ -465,7 +482,7 @@ class PlaidIndex:
 
     def search(self, Q: Tensor, k: int, *, query_mask: Optional[Tensor] = None, nprobe: Optional[int] = None,
                candidates: Optional[int] = None, rerank: Optional[str] = "decompressed",
-               originals=None) -> tuple[Tensor, Tensor]:
+               originals=None, centroid_threshold: Optional[float] = None) -> tuple[Tensor, Tensor]:
         """See :func:`maxsim.search` on a ``quantization="plaid"`` corpus."""
         N = self.starts.numel()
         Nq, Lq, _ = Q.shape
@@ -475,7 +492,12 @@ class PlaidIndex:
             qn = qn * query_mask[..., None].to(qn.dtype)
         qn = qn.contiguous()
         qcs = torch.matmul(self.centroids, qn.transpose(1, 2)).contiguous()  # [Nq, C, Lq]
-        approx = ops.plaid_approx(qcs, self.codes, self.starts, self.lengths)  # [Nq, N]
+        keep = None
+        if centroid_threshold is not None:
+            # PLAID's centroid pruning: a centroid no query token scores at
+            # least the threshold with is skipped by the scan.
+            keep = (qcs.amax(2) >= centroid_threshold).to(torch.uint8)
+        approx = ops.plaid_approx(qcs, self.codes, self.starts, self.lengths, keep)  # [Nq, N]
         if nprobe is not None and nprobe < self.centroids.shape[0]:
             # IVF: only documents holding a token of one of the nprobe best
             # centroids of some query token stay candidates.

@@ -102,7 +102,8 @@ def _rescore(q, q_start, q_len, qm, Nq, Lq, corpus, keys, k, dev) -> tuple[Tenso
     return ops.decode_keys(top if top.shape[1] == k else merge_topk(top, k))
 
 
-def _plaid_search(corpus, q, q_start, q_len, qm, Nq, Lq, single, k, oversample, pad_to_k, nprobe, candidates):
+def _plaid_search(corpus, q, q_start, q_len, qm, Nq, Lq, single, k, oversample, pad_to_k, nprobe, candidates,
+                  centroid_threshold=None):
     k_out = min(k, corpus.num_docs)
     mask = torch.arange(Lq, device=q.device)[None, :] < q_len[:, None]
     if qm is not None:
@@ -119,7 +120,7 @@ def _plaid_search(corpus, q, q_start, q_len, qm, Nq, Lq, single, k, oversample, 
         nc = candidates or max(oversample * k_out, 256)
         scores, ids = corpus.plaid.search(q.view(Nq, Lq, -1), k_out, query_mask=mask, nprobe=nprobe,
                                           candidates=nc, rerank="originals" if originals else "decompressed",
-                                          originals=originals)
+                                          originals=originals, centroid_threshold=centroid_threshold)
     else:
         scores = torch.empty((Nq, 0), dtype=torch.float32, device=q.device)
         ids = torch.empty((Nq, 0), dtype=torch.int64, device=q.device)
@@ -134,7 +135,7 @@ def search(queries: Tensor, corpus, k: int, *, query_lengths: Optional[Tensor] =
            query_mask: Optional[Tensor] = None, block_docs: Optional[int] = None,
            oversample: int = 4, pad_to_k: bool = False,
            validate: Optional[bool] = None, nprobe: Optional[int] = None,
-           candidates: Optional[int] = None) -> tuple[Tensor, Tensor]:
+           candidates: Optional[int] = None, centroid_threshold: Optional[float] = None) -> tuple[Tensor, Tensor]:
     """Exact MaxSim top-k of each query over ``corpus``.
 
     ``queries``: ``[Lq, d]`` or ``[Nq, Lq, d]`` (float), with optional
@@ -163,7 +164,11 @@ def search(queries: Tensor, corpus, k: int, *, query_lengths: Optional[Tensor] =
     one of the ``nprobe`` best centroids of some query token (the inverted
     lists; one host sync), and those are re-scored exactly on their
     decompressed tokens (or on the originals, kept with ``rescore="device"``),
-    queries and tokens L2-normalised.
+    queries and tokens L2-normalised. ``centroid_threshold`` prunes the
+    centroid scores as PLAID does: the scan skips the tokens of centroids
+    that no query token scores at least that high with (cosine), a query
+    token they alone would have matched adding 0 (faster; fewer exact
+    candidates when set too high).
     """
     check_float("queries", queries)
     k = check_count("k", k)
@@ -178,7 +183,7 @@ def search(queries: Tensor, corpus, k: int, *, query_lengths: Optional[Tensor] =
     quant = corpus.quantization
     if quant == "plaid":
         return _plaid_search(corpus, q, q_start, q_len, qm, Nq, Lq, single, k, oversample, pad_to_k, nprobe,
-                             candidates)
+                             candidates, centroid_threshold)
     if quant is None and q.dtype != corpus.dtype:
         raise TypeError(f"queries have dtype {q.dtype} but the corpus has {corpus.dtype}; "
                         "queries and documents must share a dtype")
