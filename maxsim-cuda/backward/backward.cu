@@ -4,16 +4,15 @@
 // One launch of the gradient kernels on the current stream, no host
 // synchronisation, no workspace: dq_kernel or dd_kernel when only one
 // gradient is needed, dqdd_kernel (both kinds of CTA in one grid) when both
-// are. Under normalize, first the inverse row norms, then the kernels write
+// are; the dd_one_pair forms of the last two when every document belongs to
+// one pair. Under normalize, first the inverse row norms, then the kernels write
 // fp32 row sums that normalize_grad turns into dq / dd (a workspace of fp32
 // rows, so the Jacobian sees unrounded sums). Outputs are allocated
 // uninitialised and fully written by the kernels (segment rows by their
 // owners, the rows between segments by the gap rule in
-// backward_kernels.cuh), so there is no memset; when there is nothing to
-// compute (P == 0, lq == 0, no segments) they come back as zeros without a
-// launch. The exception: when every document belongs to one pair (GROUPED,
-// one CROSS query), dd is mostly zeros, so a memset writes them and the
-// dd_one_pair forms of the two kernels write only the rows with hits.
+// backward_kernels.cuh), so there is no memset either; when there is
+// nothing to compute (P == 0, lq == 0, no segments) they come back as zeros
+// without a launch.
 //
 // Work decomposition (from shapes and the device's occupancy only, so a given
 // shape on a given GPU model always takes the same path and gives bitwise
@@ -25,14 +24,15 @@
 //   * dd: CTA = (document, row part c of C, dim chunk); the fp32 tile holds
 //     R rows, R * C covering the mean document length (longer documents take
 //     more passes); documents of one pair each (GROUPED, one CROSS query)
-//     take a memset and then only their rows with hits, from registers
-//     (dd_one_pair_cta), C sized for about two waves;
+//     write their rows from registers instead (dd_one_pair_cta), C sized
+//     for about two waves;
 //   BR and (R, C) minimise waves x (work per CTA + a fixed per-CTA cost),
 //   waves counted with the occupancy the registers and shared memory allow.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
+#include <cstdlib>
 
 #include "backward_kernels.cuh"
 #include "../common/dtype_dispatch.cuh"
@@ -203,15 +203,14 @@ void launch(BwdParams& p, bool do_dq, bool do_dd, int NG, cudaStream_t st) {
   size_t smem_dq = 0, smem_dd = 0;
   if (do_dq) plan_dq(p, (int64_t)occ_dq * prop->multiProcessorCount, NG, smem_dq, n_dq);
   if (do_dd && one_pair_docs(p)) {
-    // 3 resident CTAs per SM: the launch bounds of the fused kernel. The
-    // kernels write only the rows with hits (dd_one_pair_cta).
-    C10_CUDA_CHECK(cudaMemsetAsync(p.dd, 0, (size_t)p.Td * (size_t)p.dim * sizeof(O), st));
+    // 3 resident CTAs per SM: the launch bounds of the fused kernel.
     plan_dd_one_pair(p, 3 * (int64_t)prop->multiProcessorCount, NG, smem_dd, n_dd);
     if (n_dq > 0 && n_dq + n_dd <= kMaxGrid) {
       const size_t smem = std::max(smem_dq, smem_dd);
       set_dqdd_one_pair_smem<T, A, VEC, O>(smem);
+      static const int dq_first = std::getenv("DEVTMP_DQ_FIRST") != nullptr;
       launch_pdl(dqdd_one_pair_kernel<T, A, VEC, O>, dim3((unsigned)(n_dq + n_dd)), dim3(kThreads), smem, st, p,
-                 (int)n_dd);
+                 (int)(dq_first ? n_dq : n_dd), dq_first);
       return;
     }
     for (int64_t i0 = 0; i0 < n_dq; i0 += kMaxGrid) {

@@ -10,7 +10,6 @@
 //   * the "gap" after segment n, [start_n + rows_n, start_{n+1}) (to the end
 //     of the tensor for the last one, plus [0, start_0) for segment 0), is
 //     zeroed by the CTAs of segment n. These tile the tensor.
-// (dd_one_pair_cta instead writes only rows with hits into a zeroed dd.)
 //
 // dq_kernel (a gather): CTA = (query n, block of BR query rows, dim chunk).
 //   Lane group (slice s, row r) accumulates, in fp32 registers,
@@ -755,13 +754,11 @@ __device__ __forceinline__ void dd_cta(const BwdParams& p, int64_t item) {
 // dd when every document belongs to one pair (GROUPED, or CROSS with one
 // query): a document's rows take at most lq hits, so most rows are zeros and
 // the tile of dd_cta (a shared fp32 row per document row, sized for many
-// pairs) would only add a pass through shared memory. The host zeroes dd
-// first (a memset runs at full write bandwidth; rows written row by row
-// from here reached half of it), then CTA = (document j, row part c of C,
-// dim chunk) stages the pair's lq (argmax row, grad x scale) entries once
-// and each lane group writes the rows that have hits straight from
-// registers: per row a warp ballot over the entries finds them, summed in
-// entry order (the order dd_cta uses).
+// pairs) would only add a pass through shared memory. CTA = (document j,
+// row part c of C, dim chunk); the pair's lq (argmax row, grad x scale)
+// entries are staged once, then each lane group writes its rows straight
+// from registers: per row a warp ballot over the entries finds the hits,
+// summed in entry order (the order dd_cta uses), zeros elsewhere.
 // Dynamic shared memory: dd_one_pair_smem(lq).
 constexpr int kMaxOnePairLq = 4 * kThreads;  // query rows of the one-pair dd (entries staged in one pass)
 __host__ __device__ constexpr size_t dd_one_pair_smem(int64_t lq) { return (size_t)((lq + 31) / 32 * 32) * 8; }
@@ -830,7 +827,6 @@ __device__ __forceinline__ void dd_one_pair_cta(const BwdParams& p, int64_t item
     float f[VEC];
 #pragma unroll
     for (int e = 0; e < VEC; ++e) f[e] = 0.f;
-    bool hit = false;
     for (int e0 = 0; e0 < lq32; e0 += 32) {
       const int a = e_row[e0 + lane];
       unsigned mine = 0;
@@ -839,7 +835,6 @@ __device__ __forceinline__ void dd_one_pair_cta(const BwdParams& p, int64_t item
         const unsigned m = __ballot_sync(0xffffffffu, a >= 0 && (int64_t)a == rk);
         if (k == (gi & (gpw - 1))) mine = m;
       }
-      hit = hit || mine != 0u;
       while (mine != 0u && vok) {
         const int i = e0 + __ffs(mine) - 1;
         mine &= mine - 1u;
@@ -850,8 +845,10 @@ __device__ __forceinline__ void dd_one_pair_cta(const BwdParams& p, int64_t item
         for (int e = 0; e < VEC; ++e) f[e] = fmaf(gg, q[e], f[e]);
       }
     }
-    if (hit && r < rows && vok) store_out<O, VEC>(out + (ds + r) * dim + col, f);
+    if (r < rows && vok) store_out<O, VEC>(out + (ds + r) * dim + col, f);
   }
+
+  zero_gap<O, VEC>(out, p.d_start, drows, j, p.Nd, p.Td, dim, c, p.C, gi, NG, col, vok);
 }
 
 // Launch forms: CTAs item0 + blockIdx.x of one kind (one gradient needed),
@@ -888,13 +885,13 @@ __global__ void __launch_bounds__(kThreads, 2) dqdd_kernel(const BwdParams p, in
 }
 
 template <class T, class A, int VEC, class O>
-__global__ void __launch_bounds__(kThreads, 3) dqdd_one_pair_kernel(const BwdParams p, int n_dd) {
+__global__ void __launch_bounds__(kThreads, 3) dqdd_one_pair_kernel(const BwdParams p, int n_first, int dq_first) {
   pdl_wait();
   const int b = (int)blockIdx.x;
-  if (b < n_dd)
-    dd_one_pair_cta<T, A, VEC, O>(p, b);
+  if ((b < n_first) != (dq_first != 0))
+    dd_one_pair_cta<T, A, VEC, O>(p, dq_first ? b - n_first : b);
   else
-    dq_cta<T, A, VEC, O>(p, b - n_dd);
+    dq_cta<T, A, VEC, O>(p, dq_first ? b : b - n_first);
 }
 
 }  // namespace cuda_bwd
