@@ -32,7 +32,6 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
-#include <cstdlib>
 
 #include "backward_kernels.cuh"
 #include "../common/dtype_dispatch.cuh"
@@ -208,9 +207,8 @@ void launch(BwdParams& p, bool do_dq, bool do_dd, int NG, cudaStream_t st) {
     if (n_dq > 0 && n_dq + n_dd <= kMaxGrid) {
       const size_t smem = std::max(smem_dq, smem_dd);
       set_dqdd_one_pair_smem<T, A, VEC, O>(smem);
-      static const int dq_first = std::getenv("DEVTMP_DQ_FIRST") != nullptr;
       launch_pdl(dqdd_one_pair_kernel<T, A, VEC, O>, dim3((unsigned)(n_dq + n_dd)), dim3(kThreads), smem, st, p,
-                 (int)(dq_first ? n_dq : n_dd), dq_first);
+                 (int)n_dd);
       return;
     }
     for (int64_t i0 = 0; i0 < n_dq; i0 += kMaxGrid) {

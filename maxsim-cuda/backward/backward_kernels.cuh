@@ -885,13 +885,13 @@ __global__ void __launch_bounds__(kThreads, 2) dqdd_kernel(const BwdParams p, in
 }
 
 template <class T, class A, int VEC, class O>
-__global__ void __launch_bounds__(kThreads, 3) dqdd_one_pair_kernel(const BwdParams p, int n_first, int dq_first) {
+__global__ void __launch_bounds__(kThreads, 3) dqdd_one_pair_kernel(const BwdParams p, int n_dd) {
   pdl_wait();
   const int b = (int)blockIdx.x;
-  if ((b < n_first) != (dq_first != 0))
-    dd_one_pair_cta<T, A, VEC, O>(p, dq_first ? b - n_first : b);
+  if (b < n_dd)
+    dd_one_pair_cta<T, A, VEC, O>(p, b);
   else
-    dq_cta<T, A, VEC, O>(p, dq_first ? b : b - n_first);
+    dq_cta<T, A, VEC, O>(p, b - n_dd);
 }
 
 }  // namespace cuda_bwd
