@@ -102,8 +102,12 @@ def test_pylate_training():
     out = _run("06_pylate_training", "--ci")
     curve = _losses(out)
     assert len(curve) == 12, out  # 6 contrastive + 6 distillation steps
+    # fp32 scores of two implementations can pick different tokens of a near
+    # tie, and training then drifts apart a little (up to ~3e-4 seen, with
+    # the tokenizer's vocabulary order changing from run to run); a wrong
+    # gradient moves the loss by a step's change, ~1e-2 here.
     for step, (own, ours) in enumerate(curve):
-        assert abs(own - ours) <= 1e-4 * max(1.0, abs(own)), f"step {step}: {own} vs {ours}"
+        assert abs(own - ours) <= 2e-3 * max(1.0, abs(own)), f"step {step}: {own} vs {ours}"
     assert len({own for own, _ in curve}) == len(curve), "the parameters did not change"
     trained = [line for line in out.splitlines() if line.startswith("trained with")]
     assert len(trained) == 2 and all(line.endswith("identical with maxsim True") for line in trained), trained
