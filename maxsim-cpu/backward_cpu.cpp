@@ -233,14 +233,22 @@ std::tuple<at::Tensor, at::Tensor> backward_cpu(
     TORCH_CHECK(Nq > 0 ? Nd % Nq == 0 : Nd == 0, "maxsim backward_cpu: GROUPED needs Nd % Nq == 0");
     expectP = Nd;
   } else {
-    TORCH_CHECK(pair_q && pair_d && q_ptr && q_pairs && d_ptr && d_pairs,
-                "maxsim backward_cpu: LIST needs pair_q, pair_d and the CSR tensors");
-    for (const auto* t : {&*pair_q, &*pair_d, &*q_pairs, &*d_pairs, &*q_ptr, &*d_ptr})
-      check_index(*t, "LIST index");
-    TORCH_CHECK(pair_d->numel() == pair_q->numel() && q_pairs->numel() == pair_q->numel() &&
-                    d_pairs->numel() == pair_q->numel() && q_ptr->numel() == Nq + 1 &&
-                    d_ptr->numel() == Nd + 1,
-                "maxsim backward_cpu: LIST index size mismatch");
+    // The CSR of a side only where its gradient is wanted (as the autograd
+    // node builds them).
+    TORCH_CHECK(pair_q && pair_d && (!need_dq || (q_ptr && q_pairs)) && (!need_dd || (d_ptr && d_pairs)),
+                "maxsim backward_cpu: LIST needs pair_q, pair_d and the CSR tensors of each wanted gradient");
+    for (const auto* t : {&*pair_q, &*pair_d}) check_index(*t, "LIST index");
+    TORCH_CHECK(pair_d->numel() == pair_q->numel(), "maxsim backward_cpu: LIST index size mismatch");
+    if (need_dq) {
+      check_index(*q_ptr, "LIST index"), check_index(*q_pairs, "LIST index");
+      TORCH_CHECK(q_pairs->numel() == pair_q->numel() && q_ptr->numel() == Nq + 1,
+                  "maxsim backward_cpu: LIST index size mismatch");
+    }
+    if (need_dd) {
+      check_index(*d_ptr, "LIST index"), check_index(*d_pairs, "LIST index");
+      TORCH_CHECK(d_pairs->numel() == pair_q->numel() && d_ptr->numel() == Nd + 1,
+                  "maxsim backward_cpu: LIST index size mismatch");
+    }
     expectP = pair_q->numel();
   }
   MAXSIM_CHECK(P == 0 || P == expectP, "maxsim backward_cpu: argmax has %lld rows, expected %lld", (long long)P,
@@ -255,10 +263,10 @@ std::tuple<at::Tensor, at::Tensor> backward_cpu(
   }
   const int32_t* pq = layout == kList ? pair_q->data_ptr<int32_t>() : nullptr;
   const int32_t* pd = layout == kList ? pair_d->data_ptr<int32_t>() : nullptr;
-  const int32_t* qp = layout == kList ? q_ptr->data_ptr<int32_t>() : nullptr;
-  const int32_t* qpp = layout == kList ? q_pairs->data_ptr<int32_t>() : nullptr;
-  const int32_t* dp = layout == kList ? d_ptr->data_ptr<int32_t>() : nullptr;
-  const int32_t* dpp = layout == kList ? d_pairs->data_ptr<int32_t>() : nullptr;
+  const int32_t* qp = layout == kList && need_dq ? q_ptr->data_ptr<int32_t>() : nullptr;
+  const int32_t* qpp = layout == kList && need_dq ? q_pairs->data_ptr<int32_t>() : nullptr;
+  const int32_t* dp = layout == kList && need_dd ? d_ptr->data_ptr<int32_t>() : nullptr;
+  const int32_t* dpp = layout == kList && need_dd ? d_pairs->data_ptr<int32_t>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "maxsim_backward_cpu", [&] {
     auto go = [&](auto* am) {
       backward_impl(grad.data_ptr<float>(), q.data_ptr<scalar_t>(), d.data_ptr<scalar_t>(),
