@@ -327,8 +327,16 @@ inline bool stream_wg_wins(const Request& r, int64_t mean_ld, int64_t wave, int 
                                           : 2 * kStreamWgTokens * r.P <= mean_ld));
 }
 
-inline void plan_stream_wg(Plan& pl, const Request& r, const DeviceFacts& dev, int64_t mean_ld, int ks, int nq,
-                           int64_t wave) {
+// The staged wgmma stream for 128 / 256-byte rows (rb), when forced or when
+// it wins the shape; false leaves the plan untouched.
+inline bool plan_stream_wg(Plan& pl, const Request& r, const DeviceFacts& dev, int64_t mean_ld, int64_t rb,
+                           bool forced) {
+  const int ks = rb == 128 ? 4 : 8, nq = stream_wg_nq(r.lq);
+  KernelId k{Family::kStreamWg, r.dtype, r.argmax};
+  k.ks = ks;
+  k.rows = nq;
+  const int64_t wave = (int64_t)std::max(blocks(dev, k), 1) * dev.sm_count;
+  if (!forced && !stream_wg_wins(r, mean_ld, wave, ks, nq, dev.sm_count)) return false;
   pl.family = Family::kStreamWg;
   pl.stream_wg = StreamWgPlan{ks, nq, kStreamWgStages};
   pl.multiwave = r.P > wave;
@@ -336,6 +344,7 @@ inline void plan_stream_wg(Plan& pl, const Request& r, const DeviceFacts& dev, i
       r.P >= 12 * wave ? stream_plain_prefix(dev, mean_ld * r.dim * elem_size(r.dtype)) : 0;
   pl.keep = stream_plain_ctas(r, dev, mean_ld, prefix);
   pl.grid = r.P;
+  return true;
 }
 
 // Register-streaming kernel: warps per pair, tail, lane layout, staging.
@@ -558,17 +567,9 @@ inline Plan plan_forward(const Request& r, const DeviceFacts& dev) {
     const bool by_position = r.layout == kCross || r.layout == kGrouped;
     pl.stream.extent = by_position && r.Nd > 0 && r.Td % r.Nd == 0 ? r.Td / r.Nd : 0;
     pl.stream.qextent = by_position && r.Nq > 0 && r.Tq % r.Nq == 0 ? r.Tq / r.Nq : 0;
-    if (r.force != Family::kStream && stream_wg_ok(r, dev.arch)) {
-      const int ks = rb == 128 ? 4 : 8, nq = stream_wg_nq(r.lq);
-      KernelId k{Family::kStreamWg, r.dtype, r.argmax};
-      k.ks = ks;
-      k.rows = nq;
-      const int64_t wave = (int64_t)std::max(blocks(dev, k), 1) * dev.sm_count;
-      if (r.force == Family::kStreamWg || stream_wg_wins(r, mean_ld, wave, ks, nq, dev.sm_count)) {
-        plan_stream_wg(pl, r, dev, mean_ld, ks, nq, wave);
-        return pl;
-      }
-    }
+    if (r.force != Family::kStream && stream_wg_ok(r, dev.arch) &&
+        plan_stream_wg(pl, r, dev, mean_ld, rb, r.force == Family::kStreamWg))
+      return pl;
     if (!r.argmax) {
       plan_stream(pl, r, dev, mean_ld);
       return pl;
@@ -578,17 +579,8 @@ inline Plan plan_forward(const Request& r, const DeviceFacts& dev) {
   // before the tile kernels.
   const bool want_long = forced ? r.force == Family::kStreamWg : stream_layout;
   if (want_long && r.lq > 32 && mean_ld <= kStreamMaxMeanLd && stream_shape_ok(r, pl.scaled, dev.arch, 128) &&
-      stream_wg_ok(r, dev.arch)) {
-    const int ks = rb == 128 ? 4 : 8, nq = stream_wg_nq(r.lq);
-    KernelId k{Family::kStreamWg, r.dtype, r.argmax};
-    k.ks = ks;
-    k.rows = nq;
-    const int64_t wave = (int64_t)std::max(blocks(dev, k), 1) * dev.sm_count;
-    if (forced || stream_wg_wins(r, mean_ld, wave, ks, nq, dev.sm_count)) {
-      plan_stream_wg(pl, r, dev, mean_ld, ks, nq, wave);
-      return pl;
-    }
-  }
+      stream_wg_ok(r, dev.arch) && plan_stream_wg(pl, r, dev, mean_ld, rb, forced))
+    return pl;
 
   // ---- tile kernels --------------------------------------------------------------
   // fp32: tensor cores unless precision is exact (split 3xTF32 by default).

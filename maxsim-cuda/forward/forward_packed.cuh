@@ -63,6 +63,19 @@ __device__ __forceinline__ void packed_after(float eb, int ei, float& b, int& i)
   }
 }
 
+// One level of the row sums' transposing reduction: lanes with `bit` set
+// keep the upper half of the N columns, the others the lower half, each
+// adding its partner's copy of the half it keeps.
+template <int N>
+__device__ __forceinline__ void fold_half(const float (&in)[N], float (&out)[N / 2], int lane, int bit) {
+  const bool upper = lane & bit;
+#pragma unroll
+  for (int j = 0; j < N / 2; ++j) {
+    const float send = upper ? in[j] : in[j + N / 2];
+    out[j] = (upper ? in[j + N / 2] : in[j]) + __shfl_xor_sync(0xffffffffu, send, bit);
+  }
+}
+
 template <typename T, int KS, bool ARG>
 __global__ void __launch_bounds__(kPackedThreads, 2) packed_fwd_kernel(FwdParams p, int64_t item0) {
   constexpr int BM = kPackedBM, BN = kPackedBN, NTH = kPackedThreads, STAGES = kPackedStages;
@@ -414,35 +427,20 @@ __global__ void __launch_bounds__(kPackedThreads, 2) packed_fwd_kernel(FwdParams
           store(ps, 0);
         } else {
           float s8[8];
-          const bool u4 = lane & 4;
-#pragma unroll
-          for (int jj = 0; jj < 8; ++jj) {
-            const float send = u4 ? ps[jj] : ps[jj + 8];
-            s8[jj] = (u4 ? ps[jj + 8] : ps[jj]) + __shfl_xor_sync(0xffffffffu, send, 4);
-          }
-          const int kb8 = u4 ? 8 : 0;
+          fold_half(ps, s8, lane, 4);
+          const int kb8 = lane & 4 ? 8 : 0;
           if (lane_levels == 1) {
             store(s8, kb8);
           } else {
             float s4[4];
-            const bool u8 = lane & 8;
-#pragma unroll
-            for (int jj = 0; jj < 4; ++jj) {
-              const float send = u8 ? s8[jj] : s8[jj + 4];
-              s4[jj] = (u8 ? s8[jj + 4] : s8[jj]) + __shfl_xor_sync(0xffffffffu, send, 8);
-            }
-            const int kb4 = kb8 + (u8 ? 4 : 0);
+            fold_half(s8, s4, lane, 8);
+            const int kb4 = kb8 + (lane & 8 ? 4 : 0);
             if (lane_levels == 2) {
               store(s4, kb4);
             } else {
               float s2[2];
-              const bool u16 = lane & 16;
-#pragma unroll
-              for (int jj = 0; jj < 2; ++jj) {
-                const float send = u16 ? s4[jj] : s4[jj + 2];
-                s2[jj] = (u16 ? s4[jj + 2] : s4[jj]) + __shfl_xor_sync(0xffffffffu, send, 16);
-              }
-              store(s2, kb4 + (u16 ? 2 : 0));
+              fold_half(s4, s2, lane, 16);
+              store(s2, kb4 + (lane & 16 ? 2 : 0));
             }
           }
         }
