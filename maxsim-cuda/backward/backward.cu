@@ -5,9 +5,10 @@
 // synchronisation, no workspace: dq_kernel or dd_kernel when only one
 // gradient is needed, dqdd_kernel (both kinds of CTA in one grid) when both
 // are; the dd_one_pair forms of the last two when every document belongs to
-// one pair. Under normalize, first the inverse row norms, then the kernels write
-// fp32 row sums that normalize_grad turns into dq / dd (a workspace of fp32
-// rows, so the Jacobian sees unrounded sums). Outputs are allocated
+// one pair. Under normalize, one launch first for the inverse row norms of
+// both sides; the kernels then write fp32 row sums that one normalize_grad
+// launch turns into dq / dd (a workspace of fp32 rows, so the Jacobian sees
+// unrounded sums). Outputs are allocated
 // uninitialised and fully written by the kernels (segment rows by their
 // owners, the rows between segments by the gap rule in
 // backward_kernels.cuh), so there is no memset either; when there is
@@ -356,13 +357,15 @@ std::tuple<at::Tensor, at::Tensor> backward_cuda(
   at::Tensor dd = !need_dd ? d.new_empty({0}) : (do_dd ? at::empty(d.sizes(), d.options()) : at::zeros(d.sizes(), d.options()));
   if (!do_dq && !do_dd) return {dq, dd};
 
-  // normalize: inverse norms of the gathered side, fp32 row sums out.
-  at::Tensor q_inv, d_inv, gq, gd;
+  // normalize: inverse norms of the gathered sides (q's rows for dd, then d's
+  // for dq) and fp32 row sums out, each one launch / one buffer for both.
+  const at::Tensor none;
+  at::Tensor inv, g32, gq, gd;
   if (normalize) {
-    if (do_dd) q_inv = cuda_norm::inv_norms(q);
-    if (do_dq) d_inv = cuda_norm::inv_norms(d);
-    if (do_dq) gq = at::empty(q.sizes(), q.options().dtype(at::kFloat));
-    if (do_dd) gd = at::empty(d.sizes(), d.options().dtype(at::kFloat));
+    inv = cuda_norm::inv_norms(do_dd ? q : none, do_dq ? d : none);
+    g32 = at::empty({(do_dq ? Tq : 0) + (do_dd ? Td : 0), dim}, q.options().dtype(at::kFloat));
+    if (do_dq) gq = g32.narrow(0, 0, Tq);
+    if (do_dd) gd = g32.narrow(0, do_dq ? Tq : 0, Td);
   }
   const at::Tensor& out_q = normalize ? gq : dq;
   const at::Tensor& out_d = normalize ? gd : dd;
@@ -387,8 +390,8 @@ std::tuple<at::Tensor, at::Tensor> backward_cuda(
   p.pair_q = pq.defined() ? pq.data_ptr<int>() : nullptr;
   p.pair_d = pd.defined() ? pd.data_ptr<int>() : nullptr;
   p.argmax = argmax.data_ptr();
-  p.q_scale = q_inv.defined() ? q_inv.data_ptr<float>() : nullptr;
-  p.d_scale = d_inv.defined() ? d_inv.data_ptr<float>() : nullptr;
+  p.q_scale = normalize && do_dd ? inv.data_ptr<float>() : nullptr;
+  p.d_scale = normalize && do_dq ? inv.data_ptr<float>() + (do_dd ? Tq : 0) : nullptr;
   p.q_ptr = qp.defined() ? qp.data_ptr<int>() : nullptr;
   p.q_pairs = qpp.defined() ? qpp.data_ptr<int>() : nullptr;
   p.d_ptr = dp.defined() ? dp.data_ptr<int>() : nullptr;
@@ -414,10 +417,7 @@ std::tuple<at::Tensor, at::Tensor> backward_cuda(
   dispatch_float_type(dtype, [&](auto tag) {
     launch_t<decltype(tag)>(normalize, a16, v16, p, do_dq, do_dd, NG, stream);
   });
-  if (normalize) {
-    if (do_dq) cuda_norm::normalize_grad(gq, q, dq);
-    if (do_dd) cuda_norm::normalize_grad(gd, d, dd);
-  }
+  if (normalize) cuda_norm::normalize_grad(g32, do_dq ? q : none, dq, do_dd ? d : none, dd);
   return {dq, dd};
 }
 

@@ -6,7 +6,8 @@
 //     g = dL/dx^ the backward kernels produce, rounded once to the input
 //     dtype: (g - x^ <x^, g>) / |x| (g / eps under the clamp).
 // One warp per row, lanes striding over it (coalesced); inverse norms of
-// 16-byte-aligned rows use 8 lanes per row with 16-byte vectors.
+// 16-byte-aligned rows use 8 lanes per row with 16-byte vectors. The
+// backward's two sides share one launch of each.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -43,26 +44,39 @@ __device__ __forceinline__ float row_sumsq(const T* __restrict__ x, int64_t dim,
   return warp_sum(ss);
 }
 
+// Two row blocks in one launch (the backward's query and document sides):
+// rows [0, rows_a) of a, then the rows of b; either block may be empty.
 template <class T>
-__global__ void __launch_bounds__(kWarpsPerBlock * 32) inv_norms_kernel(const T* __restrict__ x, int64_t rows,
-                                                                      int64_t dim, float* __restrict__ inv) {
+struct RowPair {
+  T* a;
+  T* b;
+  int64_t rows_a, rows;
+  __device__ __forceinline__ T* row(int64_t r, int64_t stride) const {
+    return r < rows_a ? a + r * stride : b + (r - rows_a) * stride;
+  }
+};
+
+template <class T>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32) inv_norms_kernel(RowPair<const T> x, int64_t dim,
+                                                                      float* __restrict__ inv) {
   pdl_enter();
   const int64_t r = (int64_t)blockIdx.x * kWarpsPerBlock + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
-  if (r >= rows) return;
-  const float ss = row_sumsq(x + r * dim, dim, lane);
+  if (r >= x.rows) return;
+  const float ss = row_sumsq(x.row(r, dim), dim, lane);
   if (lane == 0) inv[r] = 1.f / fmaxf(sqrtf(ss), kEps);
 }
 
+// g: the fp32 row sums of both blocks, contiguous [x.rows, dim].
 template <class T>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
-    normalize_grad_kernel(const float* __restrict__ g, const T* __restrict__ x, int64_t rows, int64_t dim,
-                          T* __restrict__ out) {
+    normalize_grad_kernel(const float* __restrict__ g, RowPair<const T> x, RowPair<T> out, int64_t dim) {
   pdl_enter();
   const int64_t r = (int64_t)blockIdx.x * kWarpsPerBlock + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
-  if (r >= rows) return;
-  const T* xr = x + r * dim;
+  if (r >= x.rows) return;
+  const T* xr = x.row(r, dim);
+  T* outr = out.row(r, dim);
   const float* gr = g + r * dim;
   const float nrm = sqrtf(row_sumsq(xr, dim, lane));
   const float inv = 1.f / fmaxf(nrm, kEps);
@@ -71,22 +85,21 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     for (int64_t k = lane; k < dim; k += 32) c = fmaf(to_f<T>(xr[k]) * inv, gr[k], c);
     c = warp_sum(c);
   }
-  for (int64_t k = lane; k < dim; k += 32)
-    out[r * dim + k] = from_f<T>(inv * (gr[k] - to_f<T>(xr[k]) * inv * c));
+  for (int64_t k = lane; k < dim; k += 32) outr[k] = from_f<T>(inv * (gr[k] - to_f<T>(xr[k]) * inv * c));
 }
 
 // 16-byte rows (dim * sizeof(T) % 16 == 0, aligned): 8 lanes per row, each
 // loading 16-byte vectors, 4 rows per warp in flight.
 template <class T>
-__global__ void __launch_bounds__(kWarpsPerBlock * 32) inv_norms_vec_kernel(const T* __restrict__ x, int64_t rows,
-                                                                          int64_t nvec, float* __restrict__ inv) {
+__global__ void __launch_bounds__(kWarpsPerBlock * 32) inv_norms_vec_kernel(RowPair<const T> x, int64_t nvec,
+                                                                          float* __restrict__ inv) {
   constexpr int E = 16 / sizeof(T);
   pdl_enter();
   const int64_t r = ((int64_t)blockIdx.x * kWarpsPerBlock * 32 + threadIdx.x) >> 3;
   const int l = threadIdx.x & 7;
   float ss = 0.f;
-  if (r < rows) {
-    const uint4* xr = reinterpret_cast<const uint4*>(x) + r * nvec;
+  if (r < x.rows) {
+    const uint4* xr = reinterpret_cast<const uint4*>(x.row(r, nvec * E));
 #pragma unroll 4
     for (int64_t v = l; v < nvec; v += 8) {
       const uint4 u = __ldg(xr + v);
@@ -100,45 +113,61 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) inv_norms_vec_kernel(cons
   }
 #pragma unroll
   for (int o = 4; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  if (r < rows && l == 0) inv[r] = 1.f / fmaxf(sqrtf(ss), kEps);
+  if (r < x.rows && l == 0) inv[r] = 1.f / fmaxf(sqrtf(ss), kEps);
 }
+
+inline int64_t rows_of(const at::Tensor& x) { return x.defined() ? x.size(0) : 0; }
 
 template <class T>
-inline void launch_inv_norms(const at::Tensor& x, at::Tensor& inv, cudaStream_t st) {
-  const int64_t rows = x.size(0);
-  if (rows == 0) return;
-  const int64_t bytes = x.size(1) * (int64_t)sizeof(T);
-  if (bytes % 16 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0) {
-    constexpr int kRowsPerBlock = kWarpsPerBlock * 4;
-    launch_pdl(inv_norms_vec_kernel<T>, dim3((unsigned)((rows + kRowsPerBlock - 1) / kRowsPerBlock)),
-               dim3(kWarpsPerBlock * 32), 0, st, static_cast<const T*>(x.data_ptr()), rows, bytes / 16,
-               inv.data_ptr<float>());
-    return;
-  }
-  launch_pdl(inv_norms_kernel<T>, dim3((unsigned)((rows + kWarpsPerBlock - 1) / kWarpsPerBlock)),
-             dim3(kWarpsPerBlock * 32), 0, st, static_cast<const T*>(x.data_ptr()), rows, x.size(1),
-             inv.data_ptr<float>());
+RowPair<T> row_pair(const at::Tensor& a, const at::Tensor& b) {
+  return {a.defined() ? static_cast<T*>(a.data_ptr()) : nullptr, b.defined() ? static_cast<T*>(b.data_ptr()) : nullptr,
+          rows_of(a), rows_of(a) + rows_of(b)};
 }
 
-// [rows] fp32 inverse norms of a contiguous [rows, dim] fp32 / fp16 / bf16 tensor.
-inline at::Tensor inv_norms(const at::Tensor& x) {
-  at::Tensor inv = at::empty({x.size(0)}, x.options().dtype(at::kFloat));
+inline bool rows_aligned16(const at::Tensor& x) {
+  return !x.defined() || reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
+}
+
+// [rows(a) + rows(b)] fp32 inverse norms of the rows of a then b: contiguous
+// [rows, dim] fp32 / fp16 / bf16 tensors of one dtype and dim, b optional.
+inline at::Tensor inv_norms(const at::Tensor& a, const at::Tensor& b = at::Tensor()) {
+  const at::Tensor& any = a.defined() ? a : b;
+  const int64_t rows = rows_of(a) + rows_of(b), dim = any.size(1);
+  at::Tensor inv = at::empty({rows}, any.options().dtype(at::kFloat));
+  if (rows == 0) return inv;
   cudaStream_t st = at::cuda::getCurrentCUDAStream();
-  dispatch_float_type(x.scalar_type(), [&](auto tag) { launch_inv_norms<decltype(tag)>(x, inv, st); });
+  dispatch_float_type(any.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    const RowPair<const T> x = row_pair<const T>(a, b);
+    const int64_t bytes = dim * (int64_t)sizeof(T);
+    if (bytes % 16 == 0 && rows_aligned16(a) && rows_aligned16(b)) {
+      constexpr int kRowsPerBlock = kWarpsPerBlock * 4;
+      launch_pdl(inv_norms_vec_kernel<T>, dim3((unsigned)((rows + kRowsPerBlock - 1) / kRowsPerBlock)),
+                 dim3(kWarpsPerBlock * 32), 0, st, x, bytes / 16, inv.data_ptr<float>());
+    } else {
+      launch_pdl(inv_norms_kernel<T>, dim3((unsigned)((rows + kWarpsPerBlock - 1) / kWarpsPerBlock)),
+                 dim3(kWarpsPerBlock * 32), 0, st, x, dim, inv.data_ptr<float>());
+    }
+  });
   return inv;
 }
 
-// out [rows, dim] (x's dtype) from g [rows, dim] fp32 and the rows x.
-inline void normalize_grad(const at::Tensor& g, const at::Tensor& x, at::Tensor& out) {
-  const int64_t rows = x.size(0), dim = x.size(1);
+// out_a / out_b (their x's dtype) from g [rows(x_a) + rows(x_b), dim] fp32
+// and the rows x_a then x_b, in one launch; a block whose x is undefined is
+// skipped.
+inline void normalize_grad(const at::Tensor& g, const at::Tensor& x_a, at::Tensor& out_a, const at::Tensor& x_b,
+                           at::Tensor& out_b) {
+  const int64_t rows = rows_of(x_a) + rows_of(x_b);
   if (rows == 0) return;
+  const at::Tensor& any = x_a.defined() ? x_a : x_b;
   cudaStream_t st = at::cuda::getCurrentCUDAStream();
   const unsigned blocks = (unsigned)((rows + kWarpsPerBlock - 1) / kWarpsPerBlock);
-  const float* gp = g.data_ptr<float>();
-  dispatch_float_type(x.scalar_type(), [&](auto tag) {
+  dispatch_float_type(any.scalar_type(), [&](auto tag) {
     using E = decltype(tag);
-    launch_pdl(normalize_grad_kernel<E>, dim3(blocks), dim3(kWarpsPerBlock * 32), 0, st, gp,
-               static_cast<const E*>(x.data_ptr()), rows, dim, static_cast<E*>(out.data_ptr()));
+    launch_pdl(normalize_grad_kernel<E>, dim3(blocks), dim3(kWarpsPerBlock * 32), 0, st, g.data_ptr<float>(),
+               row_pair<const E>(x_a, x_b), row_pair<E>(x_a.defined() ? out_a : at::Tensor(),
+                                                        x_b.defined() ? out_b : at::Tensor()),
+               any.size(1));
   });
 }
 
