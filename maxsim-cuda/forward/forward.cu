@@ -18,8 +18,8 @@
 // token scales (doc token before the max, query row after it): the query's
 // from a small pre-pass (normalize_rows.cuh), the documents' computed by the
 // mma.sync kernel from its own B fragments (documents read once); the SIMT
-// and wgmma kernels take the documents' from a pre-pass. No normalised copy
-// is written.
+// and wgmma kernels take the documents' from the same pre-pass launch. No
+// normalised copy is written.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
@@ -277,12 +277,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
   set_segments(p, q, q_start, q_len, qm, d, d_start, d_len, dm);
   p.pair_q = pq.defined() ? pq.data_ptr<int>() : nullptr;
   p.pair_d = pd.defined() ? pd.data_ptr<int>() : nullptr;
-  // normalize: query inverse norms up front; the tensor-core kernel derives
-  // the documents' from its own fragments, the SIMT kernel reads d_inv.
-  const bool scaled = normalize && !quant && lq > 0;
-  at::Tensor q_inv, d_inv;
-  if (scaled) q_inv = cuda_norm::inv_norms(q);
-  p.q_scale = quant ? q_scale->data_ptr<float>() : scaled ? q_inv.data_ptr<float>() : nullptr;
+  p.q_scale = quant ? q_scale->data_ptr<float>() : nullptr;
   p.d_scale = quant ? d_scale->data_ptr<float>() : nullptr;
   p.d_scale_per_doc = quant && uniform_doc_scales;
   p.P = P;
@@ -341,9 +336,13 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
     }
   }
 
-  if (pl.d_inv_prepass) {
-    d_inv = cuda_norm::inv_norms(d);
-    p.d_scale = d_inv.data_ptr<float>();
+  // normalize: the queries' inverse norms, and in the same launch the
+  // documents' where the kernel does not derive them from its own fragments.
+  at::Tensor inv;
+  if (pl.scaled) {
+    inv = cuda_norm::inv_norms(q, pl.d_inv_prepass ? d : at::Tensor());
+    p.q_scale = inv.data_ptr<float>();
+    if (pl.d_inv_prepass) p.d_scale = p.q_scale + q.size(0);
   }
 
   // ---- launch (grid.x only, in chunks below the 2^31-1 limit) ---------------
