@@ -25,14 +25,13 @@
 //     R rows, R * C covering the mean document length (longer documents take
 //     more passes); documents of one pair each (GROUPED, one CROSS query)
 //     write their rows from registers instead (dd_one_pair_cta), C sized
-//     for about two waves;
+//     for about one wave;
 //   BR and (R, C) minimise waves x (work per CTA + a fixed per-CTA cost),
 //   waves counted with the occupancy the registers and shared memory allow.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
-#include <cstdlib>
 
 #include "backward_kernels.cuh"
 #include "../common/dtype_dispatch.cuh"
@@ -45,16 +44,6 @@ namespace cuda_bwd {
 namespace {
 
 constexpr int64_t kMaxGrid = (int64_t)1 << 30;
-
-// XEXP: experiment knobs (A/B on the device only).
-int xenv(const char* name, int dflt) {
-  const char* v = std::getenv(name);
-  return v != nullptr && *v ? std::atoi(v) : dflt;
-}
-int x_body() { return xenv("MAXSIM_X_BODY", 0); }
-int x_waves() { return xenv("MAXSIM_X_WAVES", 2); }
-int x_order() { return xenv("MAXSIM_X_ORDER", 0); }
-int x_split() { return xenv("MAXSIM_X_SPLIT", 0); }
 
 void check_index(const at::Tensor& t, const char* name) {
   MAXSIM_CHECK(t.is_cuda() && t.scalar_type() == at::kInt && t.dim() == 1 && t.is_contiguous(),
@@ -186,12 +175,15 @@ void plan_dd(BwdParams& p, const cudaDeviceProp* prop, int occ_regs, int NG, siz
   ctas = Nd * best_c * p.H;
 }
 
-// dd_one_pair tiling: row parts C per document so the grid fills about two
-// waves of resident CTAs, each part >= NG rows.
+// dd_one_pair tiling: row parts C per document so the grid fills about one
+// wave of resident CTAs, each part >= NG rows. Each part stages its pair's
+// entries and ballots every row over all of them (the kernel is issue-bound,
+// not store-bound), so more parts add work: two waves of half parts were
+// slower on 512 documents.
 void plan_dd_one_pair(BwdParams& p, int64_t slots, int NG, size_t& smem, int64_t& ctas) {
   const int64_t Nd = p.Nd;
   const int64_t ld = std::max<int64_t>(1, ceil_div(p.Td, std::max<int64_t>(Nd, 1)));
-  const int64_t want = ceil_div(x_waves() * slots, std::max<int64_t>(1, Nd * p.H));
+  const int64_t want = ceil_div(slots, std::max<int64_t>(1, Nd * p.H));
   p.C = (int)std::max<int64_t>(1, std::min<int64_t>({want, ceil_div(ld, NG), 1024}));
   p.R = 0;
   smem = dd_one_pair_smem(p.lq);
@@ -210,28 +202,25 @@ void launch(BwdParams& p, bool do_dq, bool do_dd, int NG, cudaStream_t st) {
   int occ_dq = 1, occ_dd = 1;
   base_occupancy<T, A, VEC, O>(occ_dq, occ_dd);
   int64_t n_dq = 0, n_dd = 0;
-  int xdq = 0;
   size_t smem_dq = 0, smem_dd = 0;
   if (do_dq) plan_dq(p, (int64_t)occ_dq * prop->multiProcessorCount, NG, smem_dq, n_dq);
   if (do_dd && one_pair_docs(p)) {
     // 3 resident CTAs per SM: the launch bounds of the fused kernel.
     plan_dd_one_pair(p, 3 * (int64_t)prop->multiProcessorCount, NG, smem_dd, n_dd);
-    if (n_dq > 0 && n_dq + n_dd <= kMaxGrid && !x_split()) {
+    if (n_dq > 0 && n_dq + n_dd <= kMaxGrid) {
       const size_t smem = std::max(smem_dq, smem_dd);
       set_dqdd_one_pair_smem<T, A, VEC, O>(smem);
       launch_pdl(dqdd_one_pair_kernel<T, A, VEC, O>, dim3((unsigned)(n_dq + n_dd)), dim3(kThreads), smem, st, p,
-                 (int)n_dd, (int)n_dq, x_order(), x_body());
+                 (int)n_dd);
       return;
     }
-    xdq = x_split() == 2 && n_dq > 0 && n_dq <= kMaxGrid && n_dd <= kMaxGrid ? 1 : 0;
     for (int64_t i0 = 0; i0 < n_dq; i0 += kMaxGrid) {
       const int64_t n = std::min(kMaxGrid, n_dq - i0);
-      launch_pdl(dq_kernel<T, A, VEC, O>, dim3((unsigned)n), dim3(kThreads), smem_dq, st, p, i0, xdq);
+      launch_pdl(dq_kernel<T, A, VEC, O>, dim3((unsigned)n), dim3(kThreads), smem_dq, st, p, i0);
     }
     for (int64_t i0 = 0; i0 < n_dd; i0 += kMaxGrid) {
       const int64_t n = std::min(kMaxGrid, n_dd - i0);
-      launch_pdl(dd_one_pair_kernel<T, A, VEC, O>, dim3((unsigned)n), dim3(kThreads), smem_dd, st, p, i0, x_body(),
-                 x_split() == 2 && n_dq > 0 && n_dq <= kMaxGrid && n_dd <= kMaxGrid ? 2 : 0);
+      launch_pdl(dd_one_pair_kernel<T, A, VEC, O>, dim3((unsigned)n), dim3(kThreads), smem_dd, st, p, i0);
     }
     return;
   }
@@ -248,7 +237,7 @@ void launch(BwdParams& p, bool do_dq, bool do_dd, int NG, cudaStream_t st) {
   }
   for (int64_t i0 = 0; i0 < n_dq; i0 += kMaxGrid) {
     const int64_t n = std::min(kMaxGrid, n_dq - i0);
-    launch_pdl(dq_kernel<T, A, VEC, O>, dim3((unsigned)n), dim3(kThreads), smem_dq, st, p, i0, xdq);
+    launch_pdl(dq_kernel<T, A, VEC, O>, dim3((unsigned)n), dim3(kThreads), smem_dq, st, p, i0);
   }
   if (n_dd > 0) set_dd_smem<T, A, VEC, O>(smem_dd);
   for (int64_t i0 = 0; i0 < n_dd; i0 += kMaxGrid) {

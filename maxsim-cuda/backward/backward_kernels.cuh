@@ -309,14 +309,12 @@ __device__ __forceinline__ bool doc_pair(const BwdParams& p, int64_t j, int64_t 
 
 // The work item of a CTA and this lane's place in it. Items are numbered
 // (owner o, part c of `parts`, dim chunk h) with h fastest; the owner is a
-// query (dq) or a document (dd), the part a block of rows. Lane group gi of
-// NG (G = 1 << lgG lanes each, one 16-byte vector per lane) takes vector v
-// of the dim chunk, elements [col, col + VEC) of a row (vok: v < nvec).
+// query (dq) or a document (dd), the part a block of rows. Lane l of lane
+// group gi (NG groups of G = 1 << lgG lanes) takes vector h * G + l of a
+// row: elements [col, col + VEC), if vok (the vector exists).
 struct CtaItem {
-  int G, NG, gi, l;
-  int h, c;
+  int G, NG, gi, l, c;
   int64_t o;
-  int v;
   bool vok;
   int64_t col;
 };
@@ -329,13 +327,13 @@ __device__ __forceinline__ CtaItem cta_item(const BwdParams& p, int64_t item, in
   it.NG = kThreads >> p.lgG;  // <= 32
   it.gi = tid >> p.lgG;
   it.l = tid & (it.G - 1);
-  it.h = (int)(item % p.H);
+  const int h = (int)(item % p.H);
   item /= p.H;
   it.c = (int)(item % parts);
   it.o = item / parts;
-  it.v = it.h * it.G + it.l;
-  it.vok = it.v < p.nvec;
-  it.col = (int64_t)it.v * VEC;
+  const int v = h * it.G + it.l;
+  it.vok = v < p.nvec;
+  it.col = (int64_t)v * VEC;
   return it;
 }
 
@@ -775,156 +773,21 @@ __device__ __forceinline__ void dd_cta(const BwdParams& p, int64_t item) {
 // query): a document's rows take at most lq hits, so most rows are zeros and
 // the tile of dd_cta (a shared fp32 row per document row, sized for many
 // pairs) would only add a pass through shared memory. CTA = (document j,
-// row part c of C, dim chunk). The pair's lq (argmax row, grad x scale)
-// entries are staged once; then two passes:
-//   A. each lane group walks its rows: a warp ballot per row over the
-//      entries finds the hits; a row without any is written as zeros at
-//      once, a row with hits is linked as a chain of its entries in entry
-//      order (head at its first entry, e_next to the following ones).
-//   B. the chains' heads are shared out over the groups, whose loads of the
-//      query rows go out together; each chain is summed in entry order (the
-//      order dd_cta uses) and written.
-// Pass A is a pure stream of 16-byte stores (no load in the row loop: a
-// row with hits waited for its query rows there, and the whole warp with
-// it); pass B's loads are few (<= lq per document) and in flight together.
+// row part c of C, dim chunk); the pair's lq (argmax row, grad x scale)
+// entries are staged once, then each lane group writes its rows straight
+// from registers: per row a warp ballot over the entries finds the hits,
+// summed in entry order (the order dd_cta uses), zeros elsewhere.
 // Dynamic shared memory: dd_one_pair_smem(lq).
 constexpr int kMaxOnePairLq = 4 * kThreads;  // query rows of the one-pair dd (entries staged in one pass)
-constexpr int kChainBatch = 4;               // pass B: chains started per group at once
-__host__ __device__ constexpr size_t dd_one_pair_smem(int64_t lq) { return (size_t)((lq + 31) / 32 * 32) * 16; }
+__host__ __device__ constexpr size_t dd_one_pair_smem(int64_t lq) { return (size_t)((lq + 31) / 32 * 32) * 8; }
 
 template <class T, class A, int VEC, class O>
 __device__ __forceinline__ void dd_one_pair_cta(const BwdParams& p, int64_t item) {
   using V = Vec<T, VEC>;
-  using raw_t = typename V::raw_t;
   extern __shared__ __align__(16) unsigned char smem[];
   const int tid = threadIdx.x, lane = tid & 31;
   const CtaItem it = cta_item<VEC>(p, item, p.C);
-  const int G = it.G, NG = it.NG, gi = it.gi, l = it.l, c = it.c;
-  const int64_t j = it.o;
-  if (j >= p.Nd) return;  // CTA-uniform
-  const bool vok = it.vok;
-  const int64_t col = it.col;
-  const int64_t dim = p.dim;
-  const int lq = p.lq, lq32 = (lq + 31) / 32 * 32;
-  const T* __restrict__ qsrc = static_cast<const T*>(p.q);
-  const A* __restrict__ am = static_cast<const A*>(p.argmax);
-  O* __restrict__ out = static_cast<O*>(p.dd);
-  int* e_row = reinterpret_cast<int*>(smem);            // [lq32] document row hit by entry i, -1: none
-  float* e_g = reinterpret_cast<float*>(e_row + lq32);  // [lq32] its grad (x the query row's scale)
-  int* e_head = reinterpret_cast<int*>(e_g + lq32);     // [lq32] row of the chain entry i starts, -1: none
-  int* e_next = e_head + lq32;                          // [lq32] next entry of entry i's chain, -1: last
-
-  // The pair and its query come from the layout (no loads), so the
-  // segments, the grad and the entries load in one round trip.
-  int64_t plo = 0, pr = 0, n = 0;
-  const bool pair_ok = doc_pair(p, j, 0, plo, pr, n);
-  const int64_t dlen = p.d_len[j], ds = p.d_start[j];
-  int64_t qlen = -1, qs = 0;
-  float g = 0.f;
-  if (pair_ok) {
-    qlen = p.q_len[n];
-    qs = p.q_start[n];
-    g = p.grad[pr];
-  }
-  constexpr int kPer = kMaxOnePairLq / kThreads;  // entries per thread
-  int a_in[kPer];
-#pragma unroll
-  for (int u = 0; u < kPer; ++u) {
-    const int i = tid + u * kThreads;
-    a_in[u] = pair_ok && i < lq ? (int)am[pr * lq + i] : -1;
-  }
-  const int drows = seg_rows_of(dlen, ds, kNoWidth, p.Td);
-  const int qrows = pair_ok && drows > 0 ? seg_rows_of(qlen, qs, lq, p.Tq) : -1;
-#pragma unroll
-  for (int u = 0; u < kPer; ++u) {
-    const int i = tid + u * kThreads;
-    if (i < lq32) {
-      const bool hit = i < qrows && a_in[u] >= 0 && a_in[u] < drows;
-      e_row[i] = hit ? a_in[u] : -1;
-      e_g[i] = hit ? (p.q_scale != nullptr ? g * p.q_scale[qs + i] : g) : 0.f;
-      e_head[i] = -1;
-    }
-  }
-  __syncthreads();
-
-  // A. Rows r = (k * C + c) * NG + gi: a warp's groups take consecutive rows.
-  const int gpw = 32 / G;  // groups per warp (1, 2 or 4)
-  const int rows = drows > 0 ? drows : 0;
-  for (int64_t rb = (int64_t)c * NG; rb < rows; rb += (int64_t)p.C * NG) {
-    const int64_t r = rb + gi;  // may be >= rows: the group only takes part in the ballots
-    int last = -1;              // the chain's last entry so far
-    for (int e0 = 0; e0 < lq32; e0 += 32) {
-      const int a = e_row[e0 + lane];
-      unsigned mine = 0;
-      for (int k = 0; k < gpw; ++k) {
-        const int64_t rk = rb + (int64_t)((tid >> 5) * gpw + k);
-        const unsigned m = __ballot_sync(0xffffffffu, a >= 0 && (int64_t)a == rk);
-        if (k == (gi & (gpw - 1))) mine = m;
-      }
-      for (; mine != 0u; mine &= mine - 1u) {
-        const int i = e0 + __ffs(mine) - 1;
-        if (l == 0) {
-          if (last < 0)
-            e_head[i] = (int)r;
-          else
-            e_next[last] = i;
-        }
-        last = i;
-      }
-    }
-    if (last >= 0) {
-      if (l == 0) e_next[last] = -1;
-    } else if (r < rows && vok) {
-      float z[VEC];
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) z[e] = 0.f;
-      store_out<O, VEC>(out + (ds + r) * dim + col, z);
-    }
-  }
-  __syncthreads();
-
-  // B. Chains with heads gi, gi + NG, ...: kChainBatch first loads in flight.
-  if (vok) {
-    for (int i0 = gi; i0 < lq; i0 += NG * kChainBatch) {
-      int hrow[kChainBatch];
-      raw_t buf[kChainBatch];
-#pragma unroll
-      for (int u = 0; u < kChainBatch; ++u) {
-        const int i = i0 + u * NG;
-        hrow[u] = i < lq ? e_head[i] : -1;
-        buf[u] = hrow[u] >= 0 ? V::load(qsrc + (qs + i) * dim + col) : V::zero();
-      }
-#pragma unroll
-      for (int u = 0; u < kChainBatch; ++u) {
-        if (hrow[u] < 0) continue;
-        int i = i0 + u * NG;
-        float f[VEC], q[VEC];
-        V::unpack(buf[u], q);
-        const float g0 = e_g[i];
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) f[e] = fmaf(g0, q[e], 0.f);
-        for (i = e_next[i]; i >= 0; i = e_next[i]) {
-          V::unpack(V::load(qsrc + (qs + i) * dim + col), q);
-          const float gg = e_g[i];
-#pragma unroll
-          for (int e = 0; e < VEC; ++e) f[e] = fmaf(gg, q[e], f[e]);
-        }
-        store_out<O, VEC>(out + (ds + hrow[u]) * dim + col, f);
-      }
-    }
-  }
-
-  zero_gap<O, VEC>(out, p.d_start, drows, j, p.Nd, p.Td, dim, c, p.C, gi, NG, col, vok);
-}
-
-// XEXP: the previous one-pair dd (A/B only)
-template <class T, class A, int VEC, class O>
-__device__ __forceinline__ void dd_one_pair_old_cta(const BwdParams& p, int64_t item) {
-  using V = Vec<T, VEC>;
-  extern __shared__ __align__(16) unsigned char smem[];
-  const int tid = threadIdx.x, lane = tid & 31;
-  const CtaItem it = cta_item<VEC>(p, item, p.C);
-  const int G = it.G, NG = it.NG, gi = it.gi, l = it.l, c = it.c;
+  const int G = it.G, NG = it.NG, gi = it.gi, c = it.c;
   const int64_t j = it.o;
   if (j >= p.Nd) return;  // CTA-uniform
   const bool vok = it.vok;
@@ -1007,9 +870,8 @@ __device__ __forceinline__ void dd_one_pair_old_cta(const BwdParams& p, int64_t 
 // CTAs go first: they are the longer ones, and dq's fill the SMs as they
 // drain (dq first, or alternating, is slower).
 template <class T, class A, int VEC, class O>
-__global__ void __launch_bounds__(kThreads, 3) dq_kernel(const BwdParams p, int64_t item0, int xflags) {
+__global__ void __launch_bounds__(kThreads, 3) dq_kernel(const BwdParams p, int64_t item0) {
   pdl_wait();
-  if (xflags & 1) pdl_trigger();
   dq_cta<T, A, VEC, O>(p, item0 + blockIdx.x);
 }
 
@@ -1020,14 +882,9 @@ __global__ void __launch_bounds__(kThreads, 2) dd_kernel(const BwdParams p, int6
 }
 
 template <class T, class A, int VEC, class O>
-__global__ void __launch_bounds__(kThreads, 4) dd_one_pair_kernel(const BwdParams p, int64_t item0, int xbody,
-                                                                  int xflags) {
-  if (!(xflags & 2)) pdl_wait();
-  if (xbody == 0)
-    dd_one_pair_cta<T, A, VEC, O>(p, item0 + blockIdx.x);
-  else
-    dd_one_pair_old_cta<T, A, VEC, O>(p, item0 + blockIdx.x);
-  if (xflags & 2) pdl_wait();
+__global__ void __launch_bounds__(kThreads, 4) dd_one_pair_kernel(const BwdParams p, int64_t item0) {
+  pdl_wait();
+  dd_one_pair_cta<T, A, VEC, O>(p, item0 + blockIdx.x);
 }
 
 template <class T, class A, int VEC, class O>
@@ -1041,27 +898,13 @@ __global__ void __launch_bounds__(kThreads, 2) dqdd_kernel(const BwdParams p, in
 }
 
 template <class T, class A, int VEC, class O>
-__global__ void __launch_bounds__(kThreads, 3) dqdd_one_pair_kernel(const BwdParams p, int n_dd, int n_dq, int xorder,
-                                                                    int xbody) {
+__global__ void __launch_bounds__(kThreads, 3) dqdd_one_pair_kernel(const BwdParams p, int n_dd) {
   pdl_wait();
-  const int64_t b = blockIdx.x, n = (int64_t)n_dd + n_dq;
-  int64_t idd = -1, idq = -1;
-  if (xorder == 0) {
-    if (b < n_dd) idd = b; else idq = b - n_dd;
-  } else if (xorder == 2) {
-    if (b < n_dq) idq = b; else idd = b - n_dq;
-  } else {
-    const int64_t before = b * n_dq / n, upto = (b + 1) * n_dq / n;
-    if (upto > before) idq = before; else idd = b - before;
-  }
-  if (idd >= 0) {
-    if (xbody == 0)
-      dd_one_pair_cta<T, A, VEC, O>(p, idd);
-    else
-      dd_one_pair_old_cta<T, A, VEC, O>(p, idd);
-  } else {
-    dq_cta<T, A, VEC, O>(p, idq);
-  }
+  const int b = (int)blockIdx.x;
+  if (b < n_dd)
+    dd_one_pair_cta<T, A, VEC, O>(p, b);
+  else
+    dq_cta<T, A, VEC, O>(p, b - n_dd);
 }
 
 }  // namespace cuda_bwd
