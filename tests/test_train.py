@@ -344,6 +344,36 @@ def test_backward_rows_hit_by_many_tokens(ms, device, dtype):
     _cmp(D.grad, dd, dtype)
 
 
+def test_candidates_rows_hit_by_many_tokens(ms, device, dtype):
+    """Per-query candidates (each document in one pair: the one-pair dd on
+    the GPU) whose query tokens all pick one of three rows: long runs of
+    hits per row, over several ballot chunks (lq 100) and row parts, summed
+    in entry order. Against fp64 sums over the forward's own argmax, and
+    bitwise equal run to run."""
+    gen = torch.Generator().manual_seed(13)
+    nq, k, lq, ld, dim = 3, 5, 100, 70, 64
+    u = torch.randn(dim, generator=gen)
+    u /= u.norm()
+    Q = torch.randn(nq, lq, dim, generator=gen) * 0.1 + u
+    D = torch.randn(nq, k, ld, dim, generator=gen) * 0.1
+    for r in (2, 33, 69):
+        D[:, :, r] += 3 * u
+    Q = Q.to(device=device, dtype=dtype).requires_grad_()
+    D = D.to(device=device, dtype=dtype).requires_grad_()
+    g = torch.randn(nq, k, generator=gen).to(device)
+    _backward_twice(ms, Q, D, g)
+    _, am = ms.score_candidates_padded_with_argmax(Q.detach(), D.detach())
+    idx = am.long().cpu()  # [nq, k, lq]
+    assert set(idx.unique().tolist()) <= {2, 33, 69} and idx.unique().numel() >= 2
+    Qd, Dd, gd = Q.detach().double().cpu(), D.detach().double().cpu(), g.double().cpu()
+    rows = (torch.arange(nq)[:, None, None] * k + torch.arange(k)[None, :, None]) * ld + idx
+    dq = torch.einsum("qn,qnid->qid", gd, Dd.reshape(-1, dim)[rows])
+    dd = torch.zeros(nq * k * ld, dim, dtype=torch.float64)
+    dd.index_add_(0, rows.reshape(-1), (gd[:, :, None, None] * Qd[:, None]).reshape(-1, dim))
+    _cmp(Q.grad, dq, dtype)
+    _cmp(D.grad, dd.view(nq, k, ld, dim), dtype)
+
+
 @pytest.mark.parametrize("layout", ["cross", "grouped", "pairs"])
 def test_backward_queries_with_many_pairs(ms, device, dtype, layout):
     """A query with more pairs than dq stages at once (at most 512 per chunk

@@ -26,7 +26,7 @@
 //     R rows, R * C covering the mean document length (longer documents take
 //     more passes); documents of one pair each (GROUPED, one CROSS query)
 //     write their rows from registers instead (dd_one_pair_cta), C sized
-//     for about two waves;
+//     for about one wave;
 //   BR and (R, C) minimise waves x (work per CTA + a fixed per-CTA cost),
 //   waves counted with the occupancy the registers and shared memory allow.
 #include <ATen/cuda/CUDAContext.h>
@@ -176,12 +176,15 @@ void plan_dd(BwdParams& p, const cudaDeviceProp* prop, int occ_regs, int NG, siz
   ctas = Nd * best_c * p.H;
 }
 
-// dd_one_pair tiling: row parts C per document so the grid fills about two
-// waves of resident CTAs, each part >= NG rows.
+// dd_one_pair tiling: row parts C per document so the grid fills about one
+// wave of resident CTAs, each part >= NG rows. Each part stages its pair's
+// entries and ballots every row over all of them (the kernel is issue-bound,
+// not store-bound), so more parts add work: two waves of half parts were
+// slower on 512 documents.
 void plan_dd_one_pair(BwdParams& p, int64_t slots, int NG, size_t& smem, int64_t& ctas) {
   const int64_t Nd = p.Nd;
   const int64_t ld = std::max<int64_t>(1, ceil_div(p.Td, std::max<int64_t>(Nd, 1)));
-  const int64_t want = ceil_div(2 * slots, std::max<int64_t>(1, Nd * p.H));
+  const int64_t want = ceil_div(slots, std::max<int64_t>(1, Nd * p.H));
   p.C = (int)std::max<int64_t>(1, std::min<int64_t>({want, ceil_div(ld, NG), 1024}));
   p.R = 0;
   smem = dd_one_pair_smem(p.lq);

@@ -307,6 +307,36 @@ __device__ __forceinline__ bool doc_pair(const BwdParams& p, int64_t j, int64_t 
   return pr >= 0 && pr < p.P && n >= 0 && n < p.Nq;
 }
 
+// The work item of a CTA and this lane's place in it. Items are numbered
+// (owner o, part c of `parts`, dim chunk h) with h fastest; the owner is a
+// query (dq) or a document (dd), the part a block of rows. Lane l of lane
+// group gi (NG groups of G = 1 << lgG lanes) takes vector h * G + l of a
+// row: elements [col, col + VEC), if vok (the vector exists).
+struct CtaItem {
+  int G, NG, gi, l, c;
+  int64_t o;
+  bool vok;
+  int64_t col;
+};
+
+template <int VEC>
+__device__ __forceinline__ CtaItem cta_item(const BwdParams& p, int64_t item, int parts) {
+  CtaItem it;
+  const int tid = threadIdx.x;
+  it.G = 1 << p.lgG;
+  it.NG = kThreads >> p.lgG;  // <= 32
+  it.gi = tid >> p.lgG;
+  it.l = tid & (it.G - 1);
+  const int h = (int)(item % p.H);
+  item /= p.H;
+  it.c = (int)(item % parts);
+  it.o = item / parts;
+  const int v = h * it.G + it.l;
+  it.vok = v < p.nvec;
+  it.col = (int64_t)v * VEC;
+  return it;
+}
+
 // g * f[4h .. 4h + 3] + base (f indexed in place: a pointer into it would
 // put the caller's register array in local memory).
 template <int VEC>
@@ -391,18 +421,12 @@ __device__ __forceinline__ void dq_cta(const BwdParams& p, int64_t item) {
   using raw_t = typename V::raw_t;
   extern __shared__ __align__(16) unsigned char smem[];
   const int tid = threadIdx.x;
-  const int G = 1 << p.lgG, NG = kThreads >> p.lgG;
-  const int gi = tid >> p.lgG, l = tid & (G - 1);
-
-  const int h = (int)(item % p.H);
-  item /= p.H;
-  const int b = (int)(item % p.NB);
-  const int64_t n = item / p.NB;
+  const CtaItem it = cta_item<VEC>(p, item, p.NB);
+  const int G = it.G, NG = it.NG, gi = it.gi, l = it.l, b = it.c;
+  const int64_t n = it.o;
   if (n >= p.Nq) return;  // CTA-uniform
-
-  const int v = h * G + l;
-  const bool vok = v < p.nvec;
-  const int64_t col = (int64_t)v * VEC;
+  const bool vok = it.vok;
+  const int64_t col = it.col;
   const int64_t dim = p.dim;
   const int lq = p.lq;
   const T* __restrict__ dsrc = static_cast<const T*>(p.d);
@@ -548,18 +572,12 @@ __device__ __forceinline__ void dd_cta(const BwdParams& p, int64_t item) {
   using raw_t = typename V::raw_t;
   extern __shared__ __align__(16) unsigned char smem[];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int G = 1 << p.lgG, NG = kThreads >> p.lgG;  // NG <= 32
-  const int gi = tid >> p.lgG, l = tid & (G - 1);
-
-  const int h = (int)(item % p.H);
-  item /= p.H;
-  const int c = (int)(item % p.C);
-  const int64_t j = item / p.C;
+  const CtaItem it = cta_item<VEC>(p, item, p.C);
+  const int G = it.G, NG = it.NG, gi = it.gi, l = it.l, c = it.c;
+  const int64_t j = it.o;
   if (j >= p.Nd) return;  // CTA-uniform
-
-  const int v = h * G + l;
-  const bool vok = v < p.nvec;
-  const int64_t col = (int64_t)v * VEC;
+  const bool vok = it.vok;
+  const int64_t col = it.col;
   const int64_t dim = p.dim;
   const int lq = p.lq;
   const int R = p.R;
@@ -768,17 +786,12 @@ __device__ __forceinline__ void dd_one_pair_cta(const BwdParams& p, int64_t item
   using V = Vec<T, VEC>;
   extern __shared__ __align__(16) unsigned char smem[];
   const int tid = threadIdx.x, lane = tid & 31;
-  const int G = 1 << p.lgG, NG = kThreads >> p.lgG;
-  const int gi = tid >> p.lgG, l = tid & (G - 1);
-  const int h = (int)(item % p.H);
-  item /= p.H;
-  const int c = (int)(item % p.C);
-  const int64_t j = item / p.C;
+  const CtaItem it = cta_item<VEC>(p, item, p.C);
+  const int G = it.G, NG = it.NG, gi = it.gi, c = it.c;
+  const int64_t j = it.o;
   if (j >= p.Nd) return;  // CTA-uniform
-
-  const int v = h * G + l;
-  const bool vok = v < p.nvec;
-  const int64_t col = (int64_t)v * VEC;
+  const bool vok = it.vok;
+  const int64_t col = it.col;
   const int64_t dim = p.dim;
   const int lq = p.lq, lq32 = (lq + 31) / 32 * 32;
   const T* __restrict__ qsrc = static_cast<const T*>(p.q);
