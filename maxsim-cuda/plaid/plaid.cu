@@ -1,16 +1,15 @@
 // PLAID / ColBERTv2 compressed documents on the GPU (contract in
 // torch-ext/torch_binding.h, codec in torch-ext/plaid_codec.h).
 //
-// plaid_forward decompresses a tile of 32 document tokens into shared memory
-// (fp32, the reference's bits), then every warp scores 8 of them against 32
-// query tokens (one per lane) with float4 shared loads: the query row is
-// padded so the lanes' rows fall on distinct banks, the document rows are
-// broadcast. Decompressed tokens never reach global memory; one block per
-// (query, document) pair, so the compressed bytes are read once per pair.
-// plaid_approx gives each pair a warp: the lanes load 32 codes at once and
-// shuffle them, each lane keeping the running max of one query token.
-// plaid_backward gives each (query, query token) a warp over the features,
-// re-decompressing each document's winning token.
+// plaid_forward: one block per (query, document) pair decompresses tiles of
+// 64 document tokens into shared memory, feature-major (fp32, the
+// reference's bits, never written out), and scores them against 32 query
+// tokens as a register-tiled SIMT product (4 x 4 per thread). plaid_approx
+// gives each pair a warp, a lane per query token: long scans gather 16-bit
+// keys of the centroid scores (exact fp32 max, half the bytes), short or
+// pruned scans the fp32 score rows. plaid_backward gives each (query, query
+// token) a warp over the features, re-decompressing each document's
+// winning token.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
@@ -36,7 +35,6 @@ constexpr int kDStride = kDTile + 4;
 constexpr int kLoadBatch = 8;                 // feature groups a thread loads before using them
 constexpr int kMaxDim = 512;                  // shared memory and the backward's registers
 constexpr int kBwdSlots = kMaxDim / 32;
-
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
