@@ -142,10 +142,10 @@ def bench_approx(ms, lik, rows, dev, run, n, bw_gbs):
     wl = f"approx-{n}"
     floor = round(codes.numel() * 4 / bw_gbs / 1e6, 4) if bw_gbs else None
     try_row(rows, wl, "maxsim", lambda: ms.plaid.approx_scores(qcs, codes, cu_seqlens=cu), run, floor_ms=floor)
-    # the scan of fp32 score rows (what centroid pruning and short corpora use)
-    os.environ["MAXSIM_PLAID_APPROX_ROWS"] = "1"
-    try_row(rows, wl, "maxsim-fp32-rows", lambda: ms.plaid.approx_scores(qcs, codes, cu_seqlens=cu), run)
-    del os.environ["MAXSIM_PLAID_APPROX_ROWS"]
+    for b in ("2", "8"):
+        os.environ["MAXSIM_PLAID_APPROX_BATCH"] = b
+        try_row(rows, wl, f"maxsim-batch{b}", lambda: ms.plaid.approx_scores(qcs, codes, cu_seqlens=cu), run)
+    del os.environ["MAXSIM_PLAID_APPROX_BATCH"]
     if lik is not None:
         from late_interaction_kernels import plaid as lp
 

@@ -486,18 +486,19 @@ def test_forward_argmax_ties_lowest_token(ms, device, nbits):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("lq", [1, 33])
+@pytest.mark.parametrize("lq", [1, 32, 33])
 def test_approx_scores_near_ties(ms, device, lq):
-    """Centroid scores equal in their top bits (1 + k 2^-12, k < 16: one
-    bf16 value) and exact duplicates: the max must still be the fp32
-    table's, in both the long-document scan (tokens >= 4 centroids) and the
-    short one, and in a document longer than the scan's 65504-token segments."""
+    """Centroid scores 2^-12 apart (1 + k 2^-12, k < 16: equal in their top
+    16 bits), negative ones and exact duplicates, on documents of 0 to 70000
+    tokens: every summation order gives the same bits here, so the scores
+    must equal the reference's exactly (a max taken at lower precision, or
+    a missed token, shows)."""
     g = torch.Generator().manual_seed(lq)
     for C, lens in ((23, [0, 1, 15, 40, 301, 64]), (400, [3, 33, 1, 17]), (23, [5, 70000, 2])):
         lengths = torch.tensor(lens)
         codes = torch.randint(0, C, (sum(lens),), generator=g, dtype=torch.int32)
         qcs = 1 + torch.randint(0, 16, (2, C, lq), generator=g).float() * 2.0 ** -12
-        qcs[1] = -qcs[1]  # negative scores: the key order reverses
+        qcs[1] = -qcs[1]  # negative scores
         qcs[:, :3] = 1 + 15 * 2.0 ** -12  # exact duplicates of the top value
         pc, _ = _padded(codes, codes[:, None].to(torch.uint8), lengths, max(lens))
         ref = ms.plaid.approx_scores_reference(qcs.to(device), pc.to(device), lengths.to(device))

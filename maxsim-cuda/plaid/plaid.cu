@@ -5,15 +5,14 @@
 // 64 document tokens into shared memory, feature-major (fp32, the
 // reference's bits, never written out), and scores them against 32 query
 // tokens as a register-tiled SIMT product (4 x 4 per thread). plaid_approx
-// gives each pair a warp, a lane per query token: long scans gather 16-bit
-// keys of the centroid scores (exact fp32 max, half the bytes), short or
-// pruned scans the fp32 score rows. plaid_backward gives each (query, query
+// gives each pair a warp: 4 tokens' score rows a load (8 lanes a row, a
+// float4 of query tokens each); with a centroid mask, a lane per query
+// token over the kept tokens. plaid_backward gives each (query, query
 // token) a warp over the features, re-decompressing each document's
 // winning token.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <type_traits>
@@ -232,87 +231,11 @@ __global__ void __launch_bounds__(kThreads, 4) plaid_forward_kernel(
   if (tid == 0) scores[p] = score;
 }
 
-// Order-preserving uint32 key of an fp32 score (NaN -> 0, below every
-// number, as fmaxf ignores NaN); its top 16 bits order the scores up to ties.
-__device__ __forceinline__ uint32_t score_key(float x) {
-  const uint32_t b = __float_as_uint(x);
-  return x != x ? 0u : (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-}
-
-__global__ void plaid_score_keys_kernel(const float* __restrict__ qcs, uint16_t* __restrict__ hi, int64_t n) {
-  for (int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; j < n; j += (int64_t)gridDim.x * blockDim.x)
-    hi[j] = (uint16_t)(score_key(qcs[j]) >> 16);
-}
-
-constexpr int kApproxUnroll = 16;  // score-row gathers a warp keeps in flight
-constexpr int kKeySegment = 65504; // tokens whose position fits the key's low 16 bits (a multiple of 32)
-
-// One warp per pair, a lane per query token. Each token gathers its
-// centroid's row of the top 16 bits of the score keys: 2 bytes a query
-// token instead of 4, half the L2 traffic of the fp32 table. A lane keeps
-// the max of (top bits << 16 | position) and of (top bits << 16 | ~position):
-// the first and the last token with the best top bits. One such token: its
-// fp32 score is read once. Several: their fp32 scores are compared, so the
-// max is always the fp32 table's. Positions are counted per segment of
-// kKeySegment tokens, the segments' maxima combined.
-__global__ void plaid_approx_keys_kernel(const float* __restrict__ qcs, const uint16_t* __restrict__ hi,
-                                         const int32_t* __restrict__ codes, const int32_t* __restrict__ d_start,
-                                         const int32_t* __restrict__ d_len, int64_t n_centroids, int64_t lq,
-                                         int64_t nd, int64_t pairs, int64_t tokens, float* __restrict__ out) {
-  const int lane = threadIdx.x & 31;
-  const int64_t p = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  if (p >= pairs) return;
-  const int64_t i = p / nd, n = p % nd;
-  int64_t start, len;
-  doc_range(d_start, d_len, n, tokens, start, len);
-  if (len < 0 || (len > 0 && n_centroids == 0)) {
-    if (lane == 0) out[p] = __int_as_float(0x7fc00000);
-    return;
-  }
-  float score = 0.f;
-  for (int64_t s0 = 0; s0 < lq; s0 += 32) {
-    const int64_t s = s0 + lane;
-    const bool valid = s < lq;
-    const float* qv = qcs + i * n_centroids * lq + (valid ? s : 0);
-    const uint16_t* hv = hi + i * n_centroids * lq + (valid ? s : 0);
-    float m = -INFINITY;
-    for (int64_t g0 = 0; g0 < len; g0 += kKeySegment) {
-      const int64_t seg = start + g0;
-      const int glen = (int)(len - g0 < kKeySegment ? len - g0 : kKeySegment);
-      uint32_t last = 0, first = 0;
-      for (int t0 = 0; t0 < glen; t0 += 32) {
-        const int cnt = glen - t0 < 32 ? glen - t0 : 32;
-        const int32_t mine = lane < cnt ? plaid::clamp_code(codes[seg + t0 + lane], n_centroids) : 0;
-        for (int j = 0; j < cnt; j += kApproxUnroll) {
-          uint32_t h[kApproxUnroll];
-#pragma unroll
-          for (int u = 0; u < kApproxUnroll; ++u) {
-            const int32_t c = __shfl_sync(0xffffffffu, mine, (j + u) & 31);
-            h[u] = valid && j + u < cnt ? hv[(int64_t)c * lq] : 0u;
-          }
-#pragma unroll
-          for (int u = 0; u < kApproxUnroll; ++u) {
-            const uint32_t w = h[u] << 16 | (uint32_t)(t0 + j + u);
-            last = max(last, w);
-            first = max(first, w ^ 0xffffu);
-          }
-        }
-      }
-      const uint32_t best = last >> 16;
-      if (best == 0u) continue;  // no number in this segment
-      const int tf = (int)(~first & 0xffffu), tl = (int)(last & 0xffffu);
-      float v = qv[(int64_t)plaid::clamp_code(codes[seg + tf], n_centroids) * lq];
-      for (int t = tf + 1; t <= tl; ++t) {  // several tokens share the best top bits
-        const int64_t c = plaid::clamp_code(codes[seg + t], n_centroids);
-        if (hv[c * lq] == best) v = fmaxf(v, qv[c * lq]);
-      }
-      m = fmaxf(m, v);
-    }
-    score += warp_sum(valid && len > 0 ? m : 0.f);
-  }
-  if (lane == 0) out[p] = score;
-}
-
+// One warp per pair. Without a centroid mask a warp gathers 4 tokens' score
+// rows per load: lane = 8 r + g reads a float4, query tokens 4g .. 4g + 3,
+// of token slot r's row (VEC: Lq % 4 == 0 and the table 16-byte aligned;
+// else 4 guarded loads); the 4 slots' maxima are merged at the end.
+template <bool VEC, int kApproxBatch>
 __global__ void plaid_approx_kernel(const float* __restrict__ qcs, const int32_t* __restrict__ codes,
                                     const int32_t* __restrict__ d_start, const int32_t* __restrict__ d_len,
                                     const uint8_t* __restrict__ keep, int64_t n_centroids, int64_t lq, int64_t nd,
@@ -354,21 +277,51 @@ __global__ void plaid_approx_kernel(const float* __restrict__ qcs, const int32_t
       score += warp_sum(valid && any ? m : 0.f);
       continue;
     }
+    const int r = lane >> 3;
+    const int64_t sb = s0 + 4 * (lane & 7);
+    float4 mx = make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
     for (int64_t t0 = 0; t0 < len; t0 += 32) {
       const int cnt = len - t0 < 32 ? (int)(len - t0) : 32;
       const int32_t mine = lane < cnt ? plaid::clamp_code(codes[start + t0 + lane], n_centroids) : 0;
-      for (int j = 0; j < cnt; j += kApproxUnroll) {
-        float v[kApproxUnroll];
+      for (int j = 0; j < cnt; j += 4 * kApproxBatch) {
+        float4 v[kApproxBatch];
 #pragma unroll
-        for (int u = 0; u < kApproxUnroll; ++u) {
-          const int32_t c = __shfl_sync(0xffffffffu, mine, (j + u) & 31);
-          v[u] = valid && j + u < cnt ? qi[c * lq + s] : -INFINITY;
+        for (int u = 0; u < kApproxBatch; ++u) {
+          const int tt = j + 4 * u + r;
+          const int32_t c = __shfl_sync(0xffffffffu, mine, tt & 31);
+          v[u] = make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
+          if (tt < cnt && sb < lq) {
+            const float* row = qi + (int64_t)c * lq + sb;
+            if constexpr (VEC) {
+              v[u] = __ldg(reinterpret_cast<const float4*>(row));
+            } else {
+              v[u].x = __ldg(row);
+              if (sb + 1 < lq) v[u].y = __ldg(row + 1);
+              if (sb + 2 < lq) v[u].z = __ldg(row + 2);
+              if (sb + 3 < lq) v[u].w = __ldg(row + 3);
+            }
+          }
         }
 #pragma unroll
-        for (int u = 0; u < kApproxUnroll; ++u) m = fmaxf(m, v[u]);
+        for (int u = 0; u < kApproxBatch; ++u)
+          mx = make_float4(fmaxf(mx.x, v[u].x), fmaxf(mx.y, v[u].y), fmaxf(mx.z, v[u].z), fmaxf(mx.w, v[u].w));
       }
     }
-    score += warp_sum(valid && any ? m : 0.f);
+#pragma unroll
+    for (int o = 8; o < 32; o <<= 1) {
+      mx.x = fmaxf(mx.x, __shfl_xor_sync(0xffffffffu, mx.x, o));
+      mx.y = fmaxf(mx.y, __shfl_xor_sync(0xffffffffu, mx.y, o));
+      mx.z = fmaxf(mx.z, __shfl_xor_sync(0xffffffffu, mx.z, o));
+      mx.w = fmaxf(mx.w, __shfl_xor_sync(0xffffffffu, mx.w, o));
+    }
+    float part = 0.f;
+    if (r == 0 && len > 0) {
+      const float e[4] = {mx.x, mx.y, mx.z, mx.w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        if (sb + k < lq) part += e[k];
+    }
+    score += warp_sum(part);
   }
   if (lane == 0) out[p] = score;
 }
@@ -448,22 +401,13 @@ at::Tensor plaid_approx_cuda(const at::Tensor& qcs_in, const at::Tensor& codes_i
   const unsigned blocks = (unsigned)((pairs + per_block - 1) / per_block);
   const int64_t n_centroids = qcs.size(1), lq = qcs.size(2), tokens = codes.size(0);
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  // The key table costs a pass over [Nq, C, Lq]; it pays once the scan
-  // gathers each centroid's row a few times.
-  const char* rows_env = std::getenv("MAXSIM_PLAID_APPROX_ROWS");
-  if (!keep_in && tokens >= 4 * n_centroids && n_centroids > 0 && !(rows_env && rows_env[0] == '1')) {
-    at::Tensor hi = at::empty({nq, n_centroids, lq}, qcs.options().dtype(at::kShort));
-    const int64_t n = hi.numel();
-    plaid_score_keys_kernel<<<(unsigned)std::min<int64_t>((n + 255) / 256, 4096), 256, 0, stream>>>(
-        qcs.data_ptr<float>(), reinterpret_cast<uint16_t*>(hi.data_ptr<int16_t>()), n);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    plaid_approx_keys_kernel<<<blocks, threads, 0, stream>>>(
-        qcs.data_ptr<float>(), reinterpret_cast<const uint16_t*>(hi.data_ptr<int16_t>()), codes.data_ptr<int32_t>(),
-        st.data_ptr<int32_t>(), ln.data_ptr<int32_t>(), n_centroids, lq, nd, pairs, tokens, out.data_ptr<float>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    return out;
-  }
-  plaid_approx_kernel<<<blocks, threads, 0, stream>>>(
+  const bool vec = lq % 4 == 0 && reinterpret_cast<uintptr_t>(qcs.data_ptr()) % 16 == 0;
+  const char* batch_env = std::getenv("MAXSIM_PLAID_APPROX_BATCH");  // measurement only
+  const int batch = batch_env ? std::atoi(batch_env) : 4;
+  const auto kernel = batch == 2 ? (vec ? plaid_approx_kernel<true, 2> : plaid_approx_kernel<false, 2>)
+                      : batch == 8 ? (vec ? plaid_approx_kernel<true, 8> : plaid_approx_kernel<false, 8>)
+                                   : (vec ? plaid_approx_kernel<true, 4> : plaid_approx_kernel<false, 4>);
+  kernel<<<blocks, threads, 0, stream>>>(
       qcs.data_ptr<float>(), codes.data_ptr<int32_t>(), st.data_ptr<int32_t>(), ln.data_ptr<int32_t>(),
       keep_in ? keep.data_ptr<uint8_t>() : nullptr, n_centroids, lq, nd, pairs, tokens, out.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
