@@ -33,7 +33,6 @@ bench_results/<gpu>-plaid.json (``cpu-plaid.json`` on the CPU).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -142,10 +141,6 @@ def bench_approx(ms, lik, rows, dev, run, n, bw_gbs):
     wl = f"approx-{n}"
     floor = round(codes.numel() * 4 / bw_gbs / 1e6, 4) if bw_gbs else None
     try_row(rows, wl, "maxsim", lambda: ms.plaid.approx_scores(qcs, codes, cu_seqlens=cu), run, floor_ms=floor)
-    for b in ("2", "8"):
-        os.environ["MAXSIM_PLAID_APPROX_BATCH"] = b
-        try_row(rows, wl, f"maxsim-batch{b}", lambda: ms.plaid.approx_scores(qcs, codes, cu_seqlens=cu), run)
-    del os.environ["MAXSIM_PLAID_APPROX_BATCH"]
     if lik is not None:
         from late_interaction_kernels import plaid as lp
 
