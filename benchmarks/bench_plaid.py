@@ -291,6 +291,8 @@ def main():
     ap.add_argument("--search", default=None,
                     help="search corpora as DOCSxTOKENS,... (default 1000000x32,100000x300; tiny 200x60)")
     ap.add_argument("--search-docs", type=int, default=None, help="one search corpus of this many 300-token docs")
+    ap.add_argument("--search-nbits", default=None, help="nbits of the search corpora, e.g. 2 (default: 2, and 2,4 "
+                    "for the last corpus)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     ms = load_maxsim()
@@ -326,8 +328,9 @@ def main():
                                ("200x60" if tiny else "1000000x32,100000x300"))
         for i, part in enumerate(spec.split(",")):
             n, ld = (int(v) for v in part.split("x"))
-            bench_search(ms, rows, dev, run, n, ld, 8 if tiny else 64, 3 if tiny else 10,
-                         (2, 4) if i == len(spec.split(",")) - 1 else (2,), flush)
+            nbits = (tuple(int(b) for b in args.search_nbits.split(",")) if args.search_nbits else
+                     (2, 4) if i == len(spec.split(",")) - 1 else (2,))
+            bench_search(ms, rows, dev, run, n, ld, 8 if tiny else 64, 3 if tiny else 10, nbits, flush)
     if "rerank" in only:
         bench_rerank(ms, lik, rows, dev, run, [20] if tiny else [1000, 10000], bw_gbs)
         flush()

@@ -209,9 +209,10 @@ def test_approx_scores_centroid_pruning(ms, device, lq):
     assert abs(out[0, 4].item() - want.item()) < 1e-4
     assert bool((out[:2] != ms.plaid.approx_scores(qcs[:2], pc, lengths.to(device))).any())  # pruning changes scores
     cu = torch.tensor([0] + torch.cumsum(lengths, 0).tolist(), dtype=torch.int32, device=device)
-    assert torch.equal(ms.plaid.approx_scores(qcs, codes, cu_seqlens=cu, keep=torch.ones(C, dtype=torch.bool,
-                                                                                          device=device)),
-                       ms.plaid.approx_scores(qcs, codes, cu_seqlens=cu))
+    # all kept = no pruning (the two scans sum the query tokens in different orders)
+    assert relerr(ms.plaid.approx_scores(qcs, codes, cu_seqlens=cu, keep=torch.ones(C, dtype=torch.bool,
+                                                                                     device=device)),
+                  ms.plaid.approx_scores(qcs, codes, cu_seqlens=cu), floor=1.0) < 1e-6
     assert relerr(ms.plaid.approx_scores(qcs[1], codes, cu_seqlens=cu, keep=keep[1]), ref[1], floor=1.0) < 1e-6
 
 
@@ -413,3 +414,95 @@ def test_bad_arguments_raise(ms, device):
     st, ln = cu[:1], cu[1:]
     with pytest.raises(RuntimeError, match="d >= 1"):
         ms.ops.plaid_forward(Q[..., :0], codes, res[:, :0], cent[:, :0], bw, st, ln, None, 2, True, False)
+
+
+def _fp64_forward(ms, Q, codes, res, cent, bw, nbits, starts, lens, normalize=True):
+    """fp64 MaxSim of each query against each token range of the reference
+    decompression: scores [Nq, Nd] and, per document, the token scores [Nq, Lq, L]."""
+    tok = ms.plaid.decompress(codes, res, cent, bw, nbits).double().cpu()
+    if normalize:
+        tok = tok / tok.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    q = Q.double().cpu()
+    out, sims = torch.zeros(q.shape[0], len(lens), dtype=torch.float64), []
+    for n, (s, ln) in enumerate(zip(starts, lens)):
+        sim = torch.einsum("isd,td->ist", q, tok[s:s + ln])
+        sims.append(sim)
+        if ln:
+            out[:, n] = sim.amax(-1).sum(-1)
+    return out, sims
+
+
+TILE_LENS = [1, 31, 32, 33, 63, 64, 65, 300, 0]  # around the kernels' 32- and 64-token tiles
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("nbits", NBITS)
+@pytest.mark.parametrize("d", [1, 17, 100, 128, 130])
+@pytest.mark.parametrize("lq", [1, 17, 33])
+def test_forward_tile_edges(ms, device, nbits, d, lq):
+    """Every document length around the token tiles, query lengths around
+    the 32-token chunks, d around the 4-feature groups: scores against fp64,
+    and each argmax a winner (its fp64 score within rounding of the max)."""
+    lens = TILE_LENS
+    codes, res, cent, bw = _codec(ms, sum(lens), d, 37, nbits, device, seed=d * 7 + lq + nbits)
+    starts = [0] + torch.cumsum(torch.tensor(lens), 0).tolist()[:-1]
+    st = torch.tensor(starts, dtype=torch.int32, device=device)
+    ln = torch.tensor(lens, dtype=torch.int32, device=device)
+    Q = torch.nn.functional.normalize(torch.randn(2, lq, d, generator=torch.Generator().manual_seed(d + lq)), dim=-1)
+    ref, sims = _fp64_forward(ms, Q, codes, res, cent, bw, nbits, starts, lens)
+    out, am = ms.ops.plaid_forward(Q.to(device), codes, res, cent, bw, st, ln, None, nbits, True, True)
+    assert relerr(out, ref, floor=1.0) < 2e-5
+    am = am.cpu().long()
+    for n, sim in enumerate(sims):
+        if lens[n] == 0:
+            assert torch.all(am[:, n] == -1) and torch.all(out[:, n].cpu() == 0)
+            continue
+        assert bool(((am[:, n] >= 0) & (am[:, n] < lens[n])).all())
+        got = sim.gather(-1, am[:, n, :, None]).squeeze(-1)
+        assert (sim.amax(-1) - got).abs().max().item() < 1e-5
+    # the flat op without normalisation, against fp64 too
+    raw, _ = ms.ops.plaid_forward(Q.to(device), codes, res, cent, bw, st, ln, None, nbits, False, False)
+    assert relerr(raw, _fp64_forward(ms, Q, codes, res, cent, bw, nbits, starts, lens, normalize=False)[0],
+                  floor=1.0) < 2e-5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("nbits", [2, 8])
+def test_forward_argmax_ties_lowest_token(ms, device, nbits):
+    """Copies of the best token at 40, 63, 64 (across a 64-token tile edge)
+    and 129 score the same bits: the argmax is the first copy; with every
+    token equal it is token 0."""
+    d, L = 128, 130
+    codes, res, cent, bw = _codec(ms, 2 * L, d, 16, nbits, device, seed=nbits)
+    for t in (63, 64, 129):
+        codes[t], res[t] = codes[40], res[40]
+    codes[L:], res[L:] = codes[L + 7].clone(), res[L + 7].clone()
+    tok = ms.plaid.decompress(codes, res, cent, bw, nbits)
+    Q = torch.nn.functional.normalize(tok[40].float(), dim=-1).expand(1, 17, d).contiguous()
+    st = torch.tensor([0, L], dtype=torch.int32, device=device)
+    ln = torch.tensor([L, L], dtype=torch.int32, device=device)
+    _, am = ms.ops.plaid_forward(Q, codes, res, cent, bw, st, ln, None, nbits, True, True)
+    assert torch.all(am[0, 0] == 40), am[0, 0]
+    assert torch.all(am[0, 1] == 0), am[0, 1]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("lq", [1, 32, 33])
+def test_approx_scores_near_ties(ms, device, lq):
+    """Centroid scores 2^-12 apart (1 + k 2^-12, k < 16: equal in their top
+    16 bits), negative ones and exact duplicates, on documents of 0 to 70000
+    tokens: every summation order gives the same bits here, so the scores
+    must equal the reference's exactly (a max taken at lower precision, or
+    a missed token, shows)."""
+    g = torch.Generator().manual_seed(lq)
+    for C, lens in ((23, [0, 1, 15, 40, 301, 64]), (400, [3, 33, 1, 17]), (23, [5, 70000, 2])):
+        lengths = torch.tensor(lens)
+        codes = torch.randint(0, C, (sum(lens),), generator=g, dtype=torch.int32)
+        qcs = 1 + torch.randint(0, 16, (2, C, lq), generator=g).float() * 2.0 ** -12
+        qcs[1] = -qcs[1]  # negative scores
+        qcs[:, :3] = 1 + 15 * 2.0 ** -12  # exact duplicates of the top value
+        pc, _ = _padded(codes, codes[:, None].to(torch.uint8), lengths, max(lens))
+        ref = ms.plaid.approx_scores_reference(qcs.to(device), pc.to(device), lengths.to(device))
+        out = ms.plaid.approx_scores(qcs.to(device), pc.to(device), lengths.to(device))
+        # on a 2^-12 grid below 64 every partial sum is exact: any order gives the same bits
+        assert torch.equal(out.double().cpu(), ref.double().cpu())

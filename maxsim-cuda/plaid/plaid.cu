@@ -1,16 +1,15 @@
 // PLAID / ColBERTv2 compressed documents on the GPU (contract in
 // torch-ext/torch_binding.h, codec in torch-ext/plaid_codec.h).
 //
-// plaid_forward decompresses a tile of 32 document tokens into shared memory
-// (fp32, the reference's bits), then every warp scores 8 of them against 32
-// query tokens (one per lane) with float4 shared loads: the query row is
-// padded so the lanes' rows fall on distinct banks, the document rows are
-// broadcast. Decompressed tokens never reach global memory; one block per
-// (query, document) pair, so the compressed bytes are read once per pair.
-// plaid_approx gives each pair a warp: the lanes load 32 codes at once and
-// shuffle them, each lane keeping the running max of one query token.
-// plaid_backward gives each (query, query token) a warp over the features,
-// re-decompressing each document's winning token.
+// plaid_forward: one block per (query, document) pair decompresses tiles of
+// 64 document tokens into shared memory, feature-major (fp32, the
+// reference's bits, never written out), and scores them against 32 query
+// tokens as a register-tiled SIMT product (4 x 4 per thread). plaid_approx
+// gives each pair a warp: 4 tokens' score rows a load (8 lanes a row, a
+// float4 of query tokens each); with a centroid mask, a lane per query
+// token over the kept tokens. plaid_backward gives each (query, query
+// token) a warp over the features, re-decompressing each document's
+// winning token.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
@@ -24,10 +23,14 @@
 namespace maxsim {
 namespace {
 
-constexpr int kWarps = 4;
-constexpr int kThreads = kWarps * 32;
-constexpr int kTile = 32;                     // document tokens per tile
-constexpr int kPerWarp = kTile / kWarps;      // tokens each warp scores
+constexpr int kThreads = 128;
+constexpr int kQTile = 32;                    // query tokens per chunk
+constexpr int kDTile = 64;                    // document tokens per tile
+// Row stride of the feature-major tile: = 4 mod 8, so the decompression's
+// transposed stores (lane pairs on a token, 16 tokens a warp) hit 32
+// distinct banks, and rows stay 16-byte aligned for the float4 reads.
+constexpr int kDStride = kDTile + 4;
+constexpr int kLoadBatch = 8;                 // feature groups a thread loads before using them
 constexpr int kMaxDim = 512;                  // shared memory and the backward's registers
 constexpr int kBwdSlots = kMaxDim / 32;
 
@@ -52,19 +55,64 @@ __device__ __forceinline__ void doc_range(const int32_t* st, const int32_t* ln, 
   if (s < 0 || s + l > tokens) l = -1;
 }
 
-template <int NBITS>
-__global__ void __launch_bounds__(kThreads) plaid_forward_kernel(
+// The 4 features [4g, 4g + 4) of one compressed token, as the reference
+// decompresses them (one fp32 add each; 0 past dim). WIDE: dim % 4 == 0 and
+// the tables aligned, so a float4 of the centroid and one load of the
+// residual bits; otherwise feature by feature.
+template <int NBITS, bool WIDE>
+struct Group {
+  float4 c;
+  uint32_t bits;  // bucket of feature 4g + i in bits [i * NBITS, (i + 1) * NBITS)
+
+  __device__ __forceinline__ void load(const float* __restrict__ crow, const uint8_t* __restrict__ rrow, int g,
+                                       int dim) {
+    const int f = 4 * g;
+    if constexpr (WIDE) {
+      c = __ldg(reinterpret_cast<const float4*>(crow + f));
+      if constexpr (NBITS == 2) bits = __ldg(rrow + g);
+      else if constexpr (NBITS == 4) bits = __ldg(reinterpret_cast<const uint16_t*>(rrow) + g);
+      else bits = __ldg(reinterpret_cast<const uint32_t*>(rrow) + g);
+    } else {
+      float v[4];
+      bits = 0;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        v[i] = f + i < dim ? __ldg(crow + f + i) : 0.f;
+        if (f + i < dim) bits |= (uint32_t)plaid::bucket_of<NBITS>(rrow, f + i) << (i * NBITS);
+      }
+      c = make_float4(v[0], v[1], v[2], v[3]);
+    }
+  }
+
+  __device__ __forceinline__ float at(int i, int g, int dim, const float* bws) const {
+    const float ci = i == 0 ? c.x : i == 1 ? c.y : i == 2 ? c.z : c.w;
+    const float v = ci + bws[(bits >> (i * NBITS)) & ((1u << NBITS) - 1)];
+    if constexpr (WIDE) return v;
+    return 4 * g + i < dim ? v : 0.f;
+  }
+};
+
+// One block per (query, document) pair. Per chunk of 32 query tokens and
+// tile of 64 document tokens: the block decompresses the tile into shared
+// memory feature-major ([f][token], fp32, the reference's bits; each thread
+// one token's feature groups of one parity, so a lane pair reads a whole
+// 32-byte sector of the centroid row), then every thread accumulates a 4x4
+// block of query tokens x document tokens with one float4 of each per
+// feature (16 FMAs per two shared loads; the query row is a broadcast),
+// keeping the running max / argmax of its 4 query tokens in registers.
+// Several blocks per SM overlap one's decompression with another's FMAs.
+template <int NBITS, bool WIDE>
+__global__ void __launch_bounds__(kThreads, 4) plaid_forward_kernel(
     const float* __restrict__ q, Codec cd, const float* __restrict__ bw, const int32_t* __restrict__ d_start,
     const int32_t* __restrict__ d_len, const int32_t* __restrict__ pair_q, int64_t nq, int64_t lq, int64_t nd,
     int dp, bool normalize, float* __restrict__ scores, int32_t* __restrict__ argmax) {
   extern __shared__ __align__(16) float smem[];
-  const int qstride = dp + 4;
-  float* qs = smem;                          // [32][dp + 4]
-  float* ds = qs + 32 * qstride;             // [kTile][dp]
-  float* bws = ds + kTile * dp;              // [256]
-  float* red_m = bws + 256;                  // [kWarps][32]
-  int* red_a = reinterpret_cast<int*>(red_m + kWarps * 32);
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  float* qs = smem;                          // [dp][kQTile], feature-major
+  float* ds = qs + dp * kQTile;              // [dp][kDStride], feature-major
+  float* scale = ds + dp * kDStride;         // [kDTile]: 1 / |token|
+  float* bws = scale + kDTile;               // [256]
+  float* red = bws + 256;                    // [kThreads / 16]
+  const int tid = threadIdx.x;
   const int64_t p = blockIdx.x;
   const int64_t n = pair_q ? p : p % nd;
   const int64_t i = pair_q ? pair_q[p] : p / nd;
@@ -78,80 +126,119 @@ __global__ void __launch_bounds__(kThreads) plaid_forward_kernel(
     return;
   }
   for (int b = tid; b < (1 << NBITS); b += kThreads) bws[b] = bw[b];
+  const int dim = (int)cd.dim, groups = dp / 4;
   const float* qi = q + i * lq * cd.dim;
+  // compute roles: 8 x 16 threads, 4 query tokens x 4 document tokens each
+  const int tq = tid >> 4, td = tid & 15;
+  // decompression roles: token tid / 2, feature groups of parity tid % 2
+  const int dt = tid >> 1, par = tid & 1;
   float score = 0.f;
-  for (int64_t s0 = 0; s0 < lq; s0 += 32) {
+  for (int64_t s0 = 0; s0 < lq; s0 += kQTile) {
     __syncthreads();  // qs / red of the previous chunk fully read
-    for (int idx = tid; idx < 32 * dp; idx += kThreads) {
-      const int s = idx / dp, f = idx % dp;
-      qs[s * qstride + f] = s0 + s < lq && f < cd.dim ? qi[(s0 + s) * cd.dim + f] : 0.f;
+    for (int idx = tid; idx < kQTile * dp; idx += kThreads) {
+      const int s = idx % kQTile, f = idx / kQTile;
+      qs[idx] = s0 + s < lq && f < dim ? qi[(s0 + s) * cd.dim + f] : 0.f;
     }
-    float m = -INFINITY;
-    int arg = -1;
-    for (int64_t t0 = 0; t0 < len; t0 += kTile) {
-      __syncthreads();  // ds of the previous tile fully read
-      // (t, f) walks the tile row-major, kThreads elements a step, without divisions
-      for (int t = tid / dp, f = tid % dp; t < kTile;) {
-        float v = 0.f;
-        if (t0 + t < len && f < cd.dim) {
-          const int64_t row = start + t0 + t;
-          const int32_t c = plaid::clamp_code(cd.codes[row], cd.n_centroids);
-          v = cd.cent[(int64_t)c * cd.dim + f] + bws[plaid::bucket_of<NBITS>(cd.res + row * cd.packed, f)];
+    float m[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    int arg[4] = {-1, -1, -1, -1};
+    for (int64_t t0 = 0; t0 < len; t0 += kDTile) {
+      __syncthreads();  // ds / scale of the previous tile fully read
+      {
+        const bool live = t0 + dt < len;
+        const int64_t row = start + t0 + dt;
+        const int32_t code = live ? plaid::clamp_code(cd.codes[row], cd.n_centroids) : 0;
+        const float* crow = cd.cent + (int64_t)code * cd.dim;
+        const uint8_t* rrow = cd.res + (live ? row : 0) * cd.packed;
+        float ss = 0.f;
+        for (int g0 = par; g0 < groups; g0 += 2 * kLoadBatch) {
+          Group<NBITS, WIDE> gr[kLoadBatch];
+#pragma unroll
+          for (int u = 0; u < kLoadBatch; ++u) {
+            const int g = g0 + 2 * u;
+            if (live && g < groups) gr[u].load(crow, rrow, g, dim);
+          }
+#pragma unroll
+          for (int u = 0; u < kLoadBatch; ++u) {
+            const int g = g0 + 2 * u;
+            if (g < groups) {
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                const float v = live ? gr[u].at(e, g, dim, bws) : 0.f;
+                ss = fmaf(v, v, ss);
+                ds[(4 * g + e) * kDStride + dt] = v;
+              }
+            }
+          }
         }
-        ds[t * dp + f] = v;
-        for (f += kThreads; f >= dp; f -= dp) ++t;
+        ss += __shfl_xor_sync(0xffffffffu, ss, 1);
+        if (par == 0) scale[dt] = normalize ? 1.f / fmaxf(sqrtf(ss), 1e-12f) : 1.f;
       }
       __syncthreads();
-      const float* mine = ds + warp * kPerWarp * dp;
-      float scale[kPerWarp];
+      float acc[4][4] = {};
+      const float* qp = qs + 4 * tq;
+      const float* dpt = ds + 4 * td;
+#pragma unroll 4
+      for (int k = 0; k < dim; ++k) {
+        const float4 a = *reinterpret_cast<const float4*>(qp + k * kQTile);
+        const float4 b = *reinterpret_cast<const float4*>(dpt + k * kDStride);
+        const float av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
 #pragma unroll
-      for (int k = 0; k < kPerWarp; ++k) {
-        scale[k] = 1.f;
-        if (normalize) {
-          float ss = 0.f;
-          for (int f = lane; f < dp; f += 32) ss += mine[k * dp + f] * mine[k * dp + f];
-          scale[k] = 1.f / fmaxf(sqrtf(warp_sum(ss)), 1e-12f);
-        }
+        for (int r = 0; r < 4; ++r)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) acc[r][c] = fmaf(av[r], bv[c], acc[r][c]);
       }
-      float acc[kPerWarp] = {};
-      const float* qrow = qs + lane * qstride;
-      for (int f = 0; f < dp; f += 4) {
-        const float4 a = *reinterpret_cast<const float4*>(qrow + f);
+      const float4 sc4 = *reinterpret_cast<const float4*>(scale + 4 * td);
+      const float sc[4] = {sc4.x, sc4.y, sc4.z, sc4.w};
 #pragma unroll
-        for (int k = 0; k < kPerWarp; ++k) {
-          const float4 b = *reinterpret_cast<const float4*>(mine + k * dp + f);
-          acc[k] = fmaf(a.x, b.x, acc[k]);
-          acc[k] = fmaf(a.y, b.y, acc[k]);
-          acc[k] = fmaf(a.z, b.z, acc[k]);
-          acc[k] = fmaf(a.w, b.w, acc[k]);
+      for (int c = 0; c < 4; ++c) {
+        const int64_t t = t0 + 4 * td + c;  // increasing: the first of equal maxima wins
+        if (t < len) {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            const float v = acc[r][c] * sc[c];
+            if (v > m[r]) m[r] = v, arg[r] = (int)t;
+          }
         }
-      }
-#pragma unroll
-      for (int k = 0; k < kPerWarp; ++k) {
-        const int64_t t = t0 + warp * kPerWarp + k;
-        const float v = acc[k] * scale[k];
-        if (t < len && v > m) m = v, arg = (int)t;
       }
     }
-    red_m[warp * 32 + lane] = m;
-    red_a[warp * 32 + lane] = arg;
+    // the 16 threads of a query-token group: best value, lowest token on ties
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const float ov = __shfl_xor_sync(0xffffffffu, m[r], o);
+        const int oa = __shfl_xor_sync(0xffffffffu, arg[r], o);
+        if (oa >= 0 && (arg[r] < 0 || ov > m[r] || (ov == m[r] && oa < arg[r]))) m[r] = ov, arg[r] = oa;
+      }
+    }
+    if (td == 0) {
+      float part = 0.f;
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int64_t s = s0 + 4 * tq + r;
+        if (s < lq) {
+          part += arg[r] >= 0 ? m[r] : 0.f;
+          if (argmax) argmax[p * lq + s] = arg[r];
+        }
+      }
+      red[tq] = part;
+    }
     __syncthreads();
-    if (warp == 0) {
-      float best = -INFINITY;
-      int barg = -1;
-      for (int w = 0; w < kWarps; ++w) {
-        const float v = red_m[w * 32 + lane];
-        const int a = red_a[w * 32 + lane];
-        if (a >= 0 && (barg < 0 || v > best || (v == best && a < barg))) best = v, barg = a;
-      }
-      const bool valid = s0 + lane < lq;
-      score += warp_sum(valid && barg >= 0 ? best : 0.f);
-      if (argmax && valid) argmax[p * lq + s0 + lane] = barg;
-    }
+    if (tid == 0)
+      for (int w = 0; w < kThreads / 16; ++w) score += red[w];
   }
   if (tid == 0) scores[p] = score;
 }
 
+// 4-token gathers a warp keeps in flight (16 score rows): on the H200 2 and
+// 8 measured 5-8 % slower (fewer in flight; fewer warps for the registers).
+constexpr int kApproxBatch = 4;
+
+// One warp per pair. Without a centroid mask a warp gathers 4 tokens' score
+// rows per load: lane = 8 r + g reads a float4, query tokens 4g .. 4g + 3,
+// of token slot r's row (VEC: Lq % 4 == 0 and the table 16-byte aligned;
+// else 4 guarded loads); the 4 slots' maxima are merged at the end.
+template <bool VEC>
 __global__ void plaid_approx_kernel(const float* __restrict__ qcs, const int32_t* __restrict__ codes,
                                     const int32_t* __restrict__ d_start, const int32_t* __restrict__ d_len,
                                     const uint8_t* __restrict__ keep, int64_t n_centroids, int64_t lq, int64_t nd,
@@ -193,25 +280,51 @@ __global__ void plaid_approx_kernel(const float* __restrict__ qcs, const int32_t
       score += warp_sum(valid && any ? m : 0.f);
       continue;
     }
+    const int r = lane >> 3;
+    const int64_t sb = s0 + 4 * (lane & 7);
+    float4 mx = make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
     for (int64_t t0 = 0; t0 < len; t0 += 32) {
       const int cnt = len - t0 < 32 ? (int)(len - t0) : 32;
       const int32_t mine = lane < cnt ? plaid::clamp_code(codes[start + t0 + lane], n_centroids) : 0;
-      int j = 0;
-      for (; j + 4 <= cnt; j += 4) {
-        float v[4];
+      for (int j = 0; j < cnt; j += 4 * kApproxBatch) {
+        float4 v[kApproxBatch];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          const int32_t c = __shfl_sync(0xffffffffu, mine, j + u);
-          v[u] = valid ? qi[c * lq + s] : -INFINITY;
+        for (int u = 0; u < kApproxBatch; ++u) {
+          const int tt = j + 4 * u + r;
+          const int32_t c = __shfl_sync(0xffffffffu, mine, tt & 31);
+          v[u] = make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
+          if (tt < cnt && sb < lq) {
+            const float* row = qi + (int64_t)c * lq + sb;
+            if constexpr (VEC) {
+              v[u] = __ldg(reinterpret_cast<const float4*>(row));
+            } else {
+              v[u].x = __ldg(row);
+              if (sb + 1 < lq) v[u].y = __ldg(row + 1);
+              if (sb + 2 < lq) v[u].z = __ldg(row + 2);
+              if (sb + 3 < lq) v[u].w = __ldg(row + 3);
+            }
+          }
         }
-        m = fmaxf(m, fmaxf(fmaxf(v[0], v[1]), fmaxf(v[2], v[3])));
-      }
-      for (; j < cnt; ++j) {
-        const int32_t c = __shfl_sync(0xffffffffu, mine, j);
-        if (valid) m = fmaxf(m, qi[c * lq + s]);
+#pragma unroll
+        for (int u = 0; u < kApproxBatch; ++u)
+          mx = make_float4(fmaxf(mx.x, v[u].x), fmaxf(mx.y, v[u].y), fmaxf(mx.z, v[u].z), fmaxf(mx.w, v[u].w));
       }
     }
-    score += warp_sum(valid && any ? m : 0.f);
+#pragma unroll
+    for (int o = 8; o < 32; o <<= 1) {
+      mx.x = fmaxf(mx.x, __shfl_xor_sync(0xffffffffu, mx.x, o));
+      mx.y = fmaxf(mx.y, __shfl_xor_sync(0xffffffffu, mx.y, o));
+      mx.z = fmaxf(mx.z, __shfl_xor_sync(0xffffffffu, mx.z, o));
+      mx.w = fmaxf(mx.w, __shfl_xor_sync(0xffffffffu, mx.w, o));
+    }
+    float part = 0.f;
+    if (r == 0 && len > 0) {
+      const float e[4] = {mx.x, mx.y, mx.z, mx.w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        if (sb + k < lq) part += e[k];
+    }
+    score += warp_sum(part);
   }
   if (lane == 0) out[p] = score;
 }
@@ -288,11 +401,14 @@ at::Tensor plaid_approx_cuda(const at::Tensor& qcs_in, const at::Tensor& codes_i
   at::Tensor out = at::empty({nq, nd}, qcs.options());
   if (pairs == 0) return out;
   const int threads = 256, per_block = threads / 32;
-  plaid_approx_kernel<<<(unsigned)((pairs + per_block - 1) / per_block), threads, 0,
-                        at::cuda::getCurrentCUDAStream()>>>(
+  const unsigned blocks = (unsigned)((pairs + per_block - 1) / per_block);
+  const int64_t n_centroids = qcs.size(1), lq = qcs.size(2), tokens = codes.size(0);
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const bool vec = lq % 4 == 0 && reinterpret_cast<uintptr_t>(qcs.data_ptr()) % 16 == 0;
+  const auto kernel = vec ? plaid_approx_kernel<true> : plaid_approx_kernel<false>;
+  kernel<<<blocks, threads, 0, stream>>>(
       qcs.data_ptr<float>(), codes.data_ptr<int32_t>(), st.data_ptr<int32_t>(), ln.data_ptr<int32_t>(),
-      keep_in ? keep.data_ptr<uint8_t>() : nullptr, qcs.size(1), qcs.size(2), nd, pairs, codes.size(0),
-      out.data_ptr<float>());
+      keep_in ? keep.data_ptr<uint8_t>() : nullptr, n_centroids, lq, nd, pairs, tokens, out.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }
@@ -318,16 +434,27 @@ std::tuple<at::Tensor, at::Tensor> plaid_forward_cuda(const at::Tensor& q_in, co
   MAXSIM_CHECK(sh.pairs < (int64_t(1) << 31), "maxsim: plaid_forward scores at most 2^31 - 1 pairs per call, got %lld",
                (long long)sh.pairs);
   const int dp = (int)((sh.dim + 3) / 4 * 4);
-  const size_t smem = sizeof(float) * (32 * (dp + 4) + kTile * dp + 256 + 2 * kWarps * 32);
+  const size_t smem = sizeof(float) * (dp * kQTile + dp * kDStride + kDTile + 256 + kThreads / 16);
+  const auto aligned = [](const at::Tensor& t, int64_t bytes) {
+    return reinterpret_cast<uintptr_t>(t.data_ptr()) % bytes == 0;
+  };
+  const bool wide = sh.dim % 4 == 0 && aligned(cent, 16) && aligned(res, nbits / 2);
   with_nbits(nbits, [&](auto nb) {
     constexpr int NBITS = decltype(nb)::value;
-    static int opted[kSmemOptInDevices] = {};
-    opt_in_dynamic_smem(plaid_forward_kernel<NBITS>, smem, opted);
-    plaid_forward_kernel<NBITS><<<(unsigned)sh.pairs, kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
-        q.data_ptr<float>(), codec_of(codes, res, cent), bw.data_ptr<float>(), st.data_ptr<int32_t>(),
-        ln.data_ptr<int32_t>(), pair_q.has_value() ? pq.data_ptr<int32_t>() : nullptr, sh.nq, sh.lq, sh.nd, dp,
-        normalize, scores.data_ptr<float>(), want_argmax ? argmax.data_ptr<int32_t>() : nullptr);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const auto launch = [&](auto wide_c) {  // a closure per WIDE: its own opt-in state
+      constexpr auto kernel = plaid_forward_kernel<NBITS, decltype(wide_c)::value>;
+      static int opted[kSmemOptInDevices] = {};
+      opt_in_dynamic_smem(kernel, smem, opted);
+      kernel<<<(unsigned)sh.pairs, kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
+          q.data_ptr<float>(), codec_of(codes, res, cent), bw.data_ptr<float>(), st.data_ptr<int32_t>(),
+          ln.data_ptr<int32_t>(), pair_q.has_value() ? pq.data_ptr<int32_t>() : nullptr, sh.nq, sh.lq, sh.nd, dp,
+          normalize, scores.data_ptr<float>(), want_argmax ? argmax.data_ptr<int32_t>() : nullptr);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    if (wide)
+      launch(std::true_type{});
+    else
+      launch(std::false_type{});
   });
   return {scores, argmax};
 }
