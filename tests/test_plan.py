@@ -209,6 +209,9 @@ def test_packed_rules(ms, arch, sms):
     for nq, nd, ld in SHORT_SHARED:
         for argmax in (False, True):
             p = plan(ms, CROSS, nq, nd, 32, ld, arch=arch, sms=sms, argmax=argmax)
+            if argmax and arch == 90 and ld > 20:  # the training forward: wgmma's flat tile cost wins
+                assert p["family"] == "wgmma", p
+                continue
             assert (p["family"], p["rows"], p["qpt"], p["ks"]) == ("packed", 32, 4, 8), p
             assert 1 <= p["dpc"] <= 512 and p["cpg"] * p["dpc"] >= nd > (p["cpg"] - 1) * p["dpc"], p
             assert p["items"] == p["grid"] == -(-nq // 4) * p["cpg"], p

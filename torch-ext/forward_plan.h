@@ -11,7 +11,8 @@
 //
 // Families, in the order they are tried:
 //   * kPacked (sm_80+, fp16 / bf16 rows of 128 / 256 bytes, lq <= 32): many
-//     short documents (mean <= kPackedMaxMeanLd tokens) shared by several
+//     short documents (mean <= kPackedMaxMeanLd tokens; with an argmax on
+//     sm_90a, kPackedMaxMeanLdArgmaxWg) shared by several
 //     queries (per-query candidates when forced): documents packed side by
 //     side into one tensor-core tile, reduced per document in the epilogue;
 //   * kStreamWg (sm_90a, fp16 / bf16 rows of 128 / 256 bytes): the staged
@@ -142,6 +143,7 @@ constexpr int kPackedBM = 128, kPackedBN = 64, kPackedThreads = 128;
 constexpr int kPackedStages = 4;
 constexpr int kPackedMaxDocs = 512;    // documents per CTA, at most
 constexpr int64_t kPackedMaxMeanLd = 32;  // the rule's mean document length, at most
+constexpr int64_t kPackedMaxMeanLdArgmaxWg = 20;  // the same with an argmax where wgmma takes the call
 constexpr int64_t packed_smem(int ks) {
   return (int64_t)(kPackedStages * kPackedBN + kPackedBM) * ks * 32;  // tile ring, query staging
 }
@@ -480,8 +482,12 @@ inline bool packed_ok(const Request& r, const DeviceFacts& dev, bool scaled) {
 // the tile kernels', so documents of 64 tokens go back to them; one query
 // and per-query candidates stream (3/4 of this kernel's tile rows would be
 // empty). Measurements: performance.md, many short documents.
-inline bool packed_wins(const Request& r, int64_t mean_ld) {
-  return r.layout == kCross && r.Nq >= 2 && mean_ld <= kPackedMaxMeanLd && r.Nd >= 64;
+// With an argmax the packed epilogue's cost grows with the document length
+// while a wgmma tile's stays flat up to 64 tokens: wgmma overtakes it past
+// ~20 tokens (mma.sync does not, up to kPackedMaxMeanLd).
+inline bool packed_wins(const Request& r, const DeviceFacts& dev, int64_t mean_ld) {
+  const int64_t max_ld = r.argmax && wgmma_takes(r, dev, false) ? kPackedMaxMeanLdArgmaxWg : kPackedMaxMeanLd;
+  return r.layout == kCross && r.Nq >= 2 && mean_ld <= max_ld && r.Nd >= 64;
 }
 
 // Documents per CTA and the grid: about two waves (at least kPackedMaxDocs
@@ -549,7 +555,7 @@ inline Plan plan_forward(const Request& r, const DeviceFacts& dev) {
   }
 
   // ---- packed short documents -------------------------------------------------
-  if ((forced ? r.force == Family::kPacked : packed_wins(r, mean_ld)) && packed_ok(r, dev, pl.scaled) &&
+  if ((forced ? r.force == Family::kPacked : packed_wins(r, dev, mean_ld)) && packed_ok(r, dev, pl.scaled) &&
       r.P > 0) {
     plan_packed(pl, r, dev, mean_ld);
     return pl;
