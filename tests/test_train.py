@@ -321,6 +321,19 @@ def test_backward_grid_of_several_waves(ms, dtype):
     assert relerr(D.grad, dd) <= GRAD_TOL[dtype]
 
 
+def _tokens_towards_rows(gen, q_shape, d_shape, rows, device, dtype):
+    """Query tokens near one direction u and documents whose token rows
+    `rows` point along 3u: every query token's argmax is one of those rows."""
+    dim = q_shape[-1]
+    u = torch.randn(dim, generator=gen)
+    u /= u.norm()
+    Q = torch.randn(*q_shape, generator=gen) * 0.1 + u
+    D = torch.randn(*d_shape, generator=gen) * 0.1
+    for r in rows:
+        D[..., r, :] += 3 * u
+    return (Q.to(device=device, dtype=dtype).requires_grad_(), D.to(device=device, dtype=dtype).requires_grad_())
+
+
 def test_backward_rows_hit_by_many_tokens(ms, device, dtype):
     """Every query token picks one of three rows of each document, so dd's
     queues hold long runs of updates to one row (and rows 5 and 21 share an
@@ -328,14 +341,7 @@ def test_backward_rows_hit_by_many_tokens(ms, device, dtype):
     bitwise equal run to run."""
     gen = torch.Generator().manual_seed(12)
     nq, nd, lq, ld, dim = 24, 20, 32, 150, 64
-    u = torch.randn(dim, generator=gen)
-    u /= u.norm()
-    Q = torch.randn(nq, lq, dim, generator=gen) * 0.1 + u
-    D = torch.randn(nd, ld, dim, generator=gen) * 0.1
-    for r in (5, 21, 77):
-        D[:, r] += 3 * u
-    Q = Q.to(device=device, dtype=dtype).requires_grad_()
-    D = D.to(device=device, dtype=dtype).requires_grad_()
+    Q, D = _tokens_towards_rows(gen, (nq, lq, dim), (nd, ld, dim), (5, 21, 77), device, dtype)
     g = torch.randn(nq, nd, generator=gen).to(device)
     _backward_twice(ms, Q, D, g)
     idx, dq, dd = _grads_over_own_argmax(ms, Q, D, g)
@@ -352,14 +358,7 @@ def test_candidates_rows_hit_by_many_tokens(ms, device, dtype):
     bitwise equal run to run."""
     gen = torch.Generator().manual_seed(13)
     nq, k, lq, ld, dim = 3, 5, 100, 70, 64
-    u = torch.randn(dim, generator=gen)
-    u /= u.norm()
-    Q = torch.randn(nq, lq, dim, generator=gen) * 0.1 + u
-    D = torch.randn(nq, k, ld, dim, generator=gen) * 0.1
-    for r in (2, 33, 69):
-        D[:, :, r] += 3 * u
-    Q = Q.to(device=device, dtype=dtype).requires_grad_()
-    D = D.to(device=device, dtype=dtype).requires_grad_()
+    Q, D = _tokens_towards_rows(gen, (nq, lq, dim), (nq, k, ld, dim), (2, 33, 69), device, dtype)
     g = torch.randn(nq, k, generator=gen).to(device)
     _backward_twice(ms, Q, D, g)
     _, am = ms.score_candidates_padded_with_argmax(Q.detach(), D.detach())
