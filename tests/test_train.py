@@ -350,20 +350,24 @@ def test_backward_rows_hit_by_many_tokens(ms, device, dtype):
     _cmp(D.grad, dd, dtype)
 
 
-def test_candidates_rows_hit_by_many_tokens(ms, device, dtype):
+@pytest.mark.parametrize("nq,k,lq,ld,dim,hit_rows", [(3, 5, 100, 70, 64, (2, 33, 69)),
+                                                      (2, 200, 8, 2600, 16, (1, 2047, 2048, 2599))],
+                         ids=["many-entries", "long-documents"])
+def test_candidates_rows_hit_by_many_tokens(ms, device, dtype, nq, k, lq, ld, dim, hit_rows):
     """Per-query candidates (each document in one pair: the one-pair dd on
-    the GPU) whose query tokens all pick one of three rows: long runs of
+    the GPU) whose query tokens all pick one of a few rows: long runs of
     hits per row, over several ballot chunks (lq 100) and row parts, summed
-    in entry order. Against fp64 sums over the forward's own argmax, and
-    bitwise equal run to run."""
+    in entry order; 400 documents of 2600 rows take one row part each on
+    the GPU, with hits thousands of rows apart. Against fp64 sums over the
+    forward's own argmax, and bitwise equal run to run."""
     gen = torch.Generator().manual_seed(13)
-    nq, k, lq, ld, dim = 3, 5, 100, 70, 64
-    Q, D = _tokens_towards_rows(gen, (nq, lq, dim), (nq, k, ld, dim), (2, 33, 69), device, dtype)
+    Q, D = _tokens_towards_rows(gen, (nq, lq, dim), (nq, k, ld, dim), hit_rows, device, dtype)
     g = torch.randn(nq, k, generator=gen).to(device)
     _backward_twice(ms, Q, D, g)
     _, am = ms.score_candidates_padded_with_argmax(Q.detach(), D.detach())
     idx = am.long().cpu()  # [nq, k, lq]
-    assert set(idx.unique().tolist()) <= {2, 33, 69} and idx.unique().numel() >= 2
+    assert set(idx.unique().tolist()) <= set(hit_rows) and idx.unique().numel() >= 2
+    assert ld <= 2048 or ((idx < 2048).any() and (idx >= 2048).any())  # both ends of the long rows hit
     Qd, Dd, gd = Q.detach().double().cpu(), D.detach().double().cpu(), g.double().cpu()
     rows = (torch.arange(nq)[:, None, None] * k + torch.arange(k)[None, :, None]) * ld + idx
     dq = torch.einsum("qn,qnid->qid", gd, Dd.reshape(-1, dim)[rows])

@@ -65,8 +65,6 @@ int ilog2(int x) {
   return r;
 }
 
-bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
-
 template <class T, class A, int VEC, class O>
 void set_dd_smem(size_t smem) {
   static int set_bytes[kSmemOptInDevices] = {};
@@ -363,7 +361,8 @@ std::tuple<at::Tensor, at::Tensor> backward_cuda(
   // normalize: inverse norms of the gathered sides (q's rows for dd, then d's
   // for dq) and fp32 row sums out, each one launch / one buffer for both.
   const at::Tensor none;
-  at::Tensor inv, g32, gq, gd;
+  cuda_norm::InvNorms inv;
+  at::Tensor g32, gq, gd;
   if (normalize) {
     inv = cuda_norm::inv_norms(do_dd ? q : none, do_dq ? d : none);
     g32 = at::empty({(do_dq ? Tq : 0) + (do_dd ? Td : 0), dim}, q.options().dtype(at::kFloat));
@@ -393,8 +392,8 @@ std::tuple<at::Tensor, at::Tensor> backward_cuda(
   p.pair_q = pq.defined() ? pq.data_ptr<int>() : nullptr;
   p.pair_d = pd.defined() ? pd.data_ptr<int>() : nullptr;
   p.argmax = argmax.data_ptr();
-  p.q_scale = normalize && do_dd ? inv.data_ptr<float>() : nullptr;
-  p.d_scale = normalize && do_dq ? inv.data_ptr<float>() + (do_dd ? Tq : 0) : nullptr;
+  p.q_scale = normalize && do_dd ? inv.a : nullptr;
+  p.d_scale = normalize && do_dq ? inv.b : nullptr;
   p.q_ptr = qp.defined() ? qp.data_ptr<int>() : nullptr;
   p.q_pairs = qpp.defined() ? qpp.data_ptr<int>() : nullptr;
   p.d_ptr = dp.defined() ? dp.data_ptr<int>() : nullptr;

@@ -54,17 +54,21 @@ struct RowPair {
   __device__ __forceinline__ T* row(int64_t r, int64_t stride) const {
     return r < rows_a ? a + r * stride : b + (r - rows_a) * stride;
   }
+  // Row r's index in an output whose b block starts at b_at.
+  __device__ __forceinline__ int64_t out_row(int64_t r, int64_t b_at) const {
+    return r < rows_a ? r : b_at + (r - rows_a);
+  }
 };
 
 template <class T>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) inv_norms_kernel(RowPair<const T> x, int64_t dim,
-                                                                      float* __restrict__ inv) {
+                                                                      float* __restrict__ inv, int64_t inv_b) {
   pdl_enter();
   const int64_t r = (int64_t)blockIdx.x * kWarpsPerBlock + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
   if (r >= x.rows) return;
   const float ss = row_sumsq(x.row(r, dim), dim, lane);
-  if (lane == 0) inv[r] = 1.f / fmaxf(sqrtf(ss), kEps);
+  if (lane == 0) inv[x.out_row(r, inv_b)] = 1.f / fmaxf(sqrtf(ss), kEps);
 }
 
 // g: the fp32 row sums of both blocks, contiguous [x.rows, dim].
@@ -92,7 +96,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
 // loading 16-byte vectors, 4 rows per warp in flight.
 template <class T>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) inv_norms_vec_kernel(RowPair<const T> x, int64_t nvec,
-                                                                          float* __restrict__ inv) {
+                                                                          float* __restrict__ inv, int64_t inv_b) {
   constexpr int E = 16 / sizeof(T);
   pdl_enter();
   const int64_t r = ((int64_t)blockIdx.x * kWarpsPerBlock * 32 + threadIdx.x) >> 3;
@@ -113,7 +117,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) inv_norms_vec_kernel(RowP
   }
 #pragma unroll
   for (int o = 4; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  if (r < x.rows && l == 0) inv[r] = 1.f / fmaxf(sqrtf(ss), kEps);
+  if (r < x.rows && l == 0) inv[x.out_row(r, inv_b)] = 1.f / fmaxf(sqrtf(ss), kEps);
 }
 
 inline int64_t rows_of(const at::Tensor& x) { return x.defined() ? x.size(0) : 0; }
@@ -124,16 +128,26 @@ RowPair<T> row_pair(const at::Tensor& a, const at::Tensor& b) {
           rows_of(a), rows_of(a) + rows_of(b)};
 }
 
-inline bool rows_aligned16(const at::Tensor& x) {
-  return !x.defined() || reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
-}
+inline bool rows_aligned16(const at::Tensor& x) { return !x.defined() || aligned16(x.data_ptr()); }
 
-// [rows(a) + rows(b)] fp32 inverse norms of the rows of a then b: contiguous
-// [rows, dim] fp32 / fp16 / bf16 tensors of one dtype and dim, b optional.
-inline at::Tensor inv_norms(const at::Tensor& a, const at::Tensor& b = at::Tensor()) {
+// Inverse norms of two row blocks in one buffer; b's block starts on a
+// 16-byte boundary (the wgmma kernels read the documents' by TMA).
+struct InvNorms {
+  at::Tensor buf;
+  float* a = nullptr;
+  float* b = nullptr;
+};
+
+// fp32 inverse norms of the rows of a and of b: contiguous [rows, dim]
+// fp32 / fp16 / bf16 tensors of one dtype and dim, either one optional.
+inline InvNorms inv_norms(const at::Tensor& a, const at::Tensor& b = at::Tensor()) {
   const at::Tensor& any = a.defined() ? a : b;
   const int64_t rows = rows_of(a) + rows_of(b), dim = any.size(1);
-  at::Tensor inv = at::empty({rows}, any.options().dtype(at::kFloat));
+  const int64_t b_at = (rows_of(a) + 3) & ~int64_t(3);
+  InvNorms inv;
+  inv.buf = at::empty({b_at + rows_of(b)}, any.options().dtype(at::kFloat));
+  inv.a = inv.buf.data_ptr<float>();
+  inv.b = inv.a + b_at;
   if (rows == 0) return inv;
   cudaStream_t st = at::cuda::getCurrentCUDAStream();
   dispatch_float_type(any.scalar_type(), [&](auto tag) {
@@ -143,10 +157,10 @@ inline at::Tensor inv_norms(const at::Tensor& a, const at::Tensor& b = at::Tenso
     if (bytes % 16 == 0 && rows_aligned16(a) && rows_aligned16(b)) {
       constexpr int kRowsPerBlock = kWarpsPerBlock * 4;
       launch_pdl(inv_norms_vec_kernel<T>, dim3((unsigned)((rows + kRowsPerBlock - 1) / kRowsPerBlock)),
-                 dim3(kWarpsPerBlock * 32), 0, st, x, bytes / 16, inv.data_ptr<float>());
+                 dim3(kWarpsPerBlock * 32), 0, st, x, bytes / 16, inv.a, b_at);
     } else {
       launch_pdl(inv_norms_kernel<T>, dim3((unsigned)((rows + kWarpsPerBlock - 1) / kWarpsPerBlock)),
-                 dim3(kWarpsPerBlock * 32), 0, st, x, dim, inv.data_ptr<float>());
+                 dim3(kWarpsPerBlock * 32), 0, st, x, dim, inv.a, b_at);
     }
   });
   return inv;

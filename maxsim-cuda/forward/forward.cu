@@ -301,7 +301,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
   plan::Request rq = forward_request(layout, Nq, Nd, q.size(0), d.size(0), P, lq, dim, dtype, quant,
                                      uniform_doc_scales, arg, precision, normalize);
   rq.ptr_align = ptr_align(p.q, p.d);
-  rq.d_scale_aligned = quant && reinterpret_cast<uintptr_t>(p.d_scale) % 16 == 0;
+  rq.d_scale_aligned = quant && aligned16(p.d_scale);
   const plan::DeviceFacts dev = cuda_device_facts();
   const plan::Plan pl = plan::plan_forward(rq, dev);
   TORCH_CHECK(pl.ok, pl.error);
@@ -338,11 +338,11 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
 
   // normalize: the queries' inverse norms, and in the same launch the
   // documents' where the kernel does not derive them from its own fragments.
-  at::Tensor inv;
+  cuda_norm::InvNorms inv;
   if (pl.scaled) {
     inv = cuda_norm::inv_norms(q, pl.d_inv_prepass ? d : at::Tensor());
-    p.q_scale = inv.data_ptr<float>();
-    if (pl.d_inv_prepass) p.d_scale = p.q_scale + q.size(0);
+    p.q_scale = inv.a;
+    if (pl.d_inv_prepass) p.d_scale = inv.b;
   }
 
   // ---- launch (grid.x only, in chunks below the 2^31-1 limit) ---------------
