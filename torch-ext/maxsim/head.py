@@ -29,9 +29,8 @@ __all__ = ["maxsim_from_hidden", "maxsim_from_hidden_reference"]
 
 def _project(H: Tensor, W: Tensor, b: Optional[Tensor], normalize: bool, dtype) -> Tensor:
     D = F.linear(H, W, b)
-    if normalize:
-        D = D / D.float().norm(dim=-1, keepdim=True).clamp_min(1e-12).to(D.dtype)
-    return D.to(dtype)
+    # F.normalize reduces in fp32 without an fp32 copy of the projected tokens.
+    return (F.normalize(D, dim=-1, eps=1e-12) if normalize else D).to(dtype)
 
 
 def _chunk_scores(Q, H, W, b, q_mask, d_mask, normalize):
