@@ -47,3 +47,34 @@ def test_from_hidden_bf16_and_2d_query(ms, device):
     out = ms.maxsim_from_hidden(Q[0].bfloat16(), H.bfloat16(), W.bfloat16(), b.bfloat16())
     ref = ms.head.maxsim_from_hidden_reference(Q[0], H, W, b)
     assert out.shape == (4,) and relerr(out, ref, floor=1.0) < 2e-2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("chunk_mib", [256, 0])  # 0: one query (and its candidates) per chunk
+def test_from_hidden_candidates(ms, device, chunk_mib):
+    """Each query's own K candidates, H [Nq, K, Ld, d_model] -> [Nq, K]:
+    masks (an empty candidate, a padded query), forward and every gradient
+    against fp64, in one chunk and one query per chunk."""
+    g = torch.Generator().manual_seed(4)
+    Nq, K, Lq, Ld, dm, do = 3, 4, 9, 17, 40, 15
+    Q = torch.nn.functional.normalize(torch.randn(Nq, Lq, do, generator=g), dim=-1).to(device)
+    H = torch.randn(Nq, K, Ld, dm, generator=g).to(device)
+    W = (torch.randn(do, dm, generator=g) / dm ** 0.5).to(device)
+    b = (0.1 * torch.randn(do, generator=g)).to(device)
+    d_mask = torch.rand(Nq, K, Ld, generator=g).to(device) > 0.3
+    d_mask[1, 2] = False
+    q_mask = torch.ones(Nq, Lq, dtype=torch.bool, device=device)
+    q_mask[2, 5:] = False
+    leaves = [t.clone().requires_grad_(True) for t in (Q, H, W, b)]
+    out = ms.maxsim_from_hidden(*leaves, d_mask, q_mask=q_mask, chunk_mib=chunk_mib)
+    refs = [t.detach().double().requires_grad_(True) for t in leaves]
+    ref = ms.head.maxsim_from_hidden_reference(*refs, d_mask, q_mask=q_mask)
+    assert out.shape == (Nq, K) and relerr(out, ref, floor=1.0) < 1e-5
+    assert out[1, 2] == 0
+    gout = torch.randn(Nq, K, generator=torch.Generator().manual_seed(5)).to(device)
+    (out * gout).sum().backward()
+    (ref * gout.double()).sum().backward()
+    for a, r, name in zip(leaves, refs, "QHWb"):
+        assert relerr(a.grad, r.grad) < 1e-4, name
+    with pytest.raises(ValueError):
+        ms.maxsim_from_hidden(Q[0], H, W, b)  # a 2-D query with per-query candidates

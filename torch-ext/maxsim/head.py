@@ -13,6 +13,7 @@ single fused kernel.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -42,39 +43,45 @@ def maxsim_from_hidden(Q: Tensor, H: Tensor, W: Tensor, b: Optional[Tensor] = No
                        normalize: bool = True, chunk_mib: int = 256) -> Tensor:
     """MaxSim of ``Q [Nq, Lq, d_out]`` (already projected; ``[Lq, d_out]``
     for one query) against documents given as hidden states ``H [Nd, Ld,
-    d_model]`` and the head ``W [d_out, d_model]``, ``b [d_out]`` (the
-    ``torch.nn.Linear`` convention): the same as
+    d_model]`` (every query x every document -> ``[Nq, Nd]``) or ``H [Nq, K,
+    Ld, d_model]`` (each query's own K candidates -> ``[Nq, K]``) and the
+    head ``W [d_out, d_model]``, ``b [d_out]`` (the ``torch.nn.Linear``
+    convention): the same as
     ``maxsim(Q, F.normalize(F.linear(H, W, b), dim=-1), q_mask, d_mask)``
     (without the normalisation when ``normalize=False``; ``Q`` is used as
-    given). The projected tokens take ``Q``'s dtype. Returns fp32 ``[Nq, Nd]``
-    (``[Nd]`` for a 2-D Q).
+    given). The projected tokens take ``Q``'s dtype. Returns fp32 (``[Nd]``
+    for a 2-D Q).
     """
     check_float("Q", Q)
     check_float("H", H)
     single = Q.dim() == 2
     Q3 = Q[None] if single else Q
-    if Q3.dim() != 3 or H.dim() != 3:
-        raise ValueError(f"Q must be [Nq, Lq, d_out] and H [Nd, Ld, d_model]; got {tuple(Q.shape)}, {tuple(H.shape)}")
+    candidates = H.dim() == 4
+    if Q3.dim() != 3 or H.dim() not in (3, 4) or (candidates and (single or H.shape[0] != Q3.shape[0])):
+        raise ValueError("Q must be [Nq, Lq, d_out] and H [Nd, Ld, d_model] or [Nq, K, Ld, d_model] "
+                         f"(a 2-D Q with a 3-D H only); got {tuple(Q.shape)}, {tuple(H.shape)}")
     if W.dim() != 2 or W.shape != (Q3.shape[-1], H.shape[-1]):
         raise ValueError(f"W must be [d_out={Q3.shape[-1]}, d_model={H.shape[-1]}], got {tuple(W.shape)}")
     if b is not None and b.shape != (Q3.shape[-1],):
         raise ValueError(f"b must be [d_out={Q3.shape[-1]}], got {tuple(b.shape)}")
     if q_mask is not None and single:
         q_mask = q_mask[None]
-    Nd, Ld, dm = H.shape
-    row_bytes = max(Ld * max(Q3.shape[-1], 1) * 4, 1)
+    # Chunks over documents (shared) or over queries with their candidates.
+    n = H.shape[0]
+    row_bytes = max(math.prod(H.shape[1:-1]) * max(Q3.shape[-1], 1) * 4, 1)
     per = max(1, (chunk_mib << 20) // row_bytes)
     train = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (Q3, H, W, b))
     parts = []
-    for n0 in range(0, max(Nd, 1), per):
-        n1 = min(Nd, n0 + per)
+    for n0 in range(0, max(n, 1), per):
+        n1 = min(n, n0 + per)
         Hc = H[n0:n1]
         mc = None if d_mask is None else d_mask[n0:n1]
-        if train and n1 - n0 < Nd:
-            parts.append(checkpoint(_chunk_scores, Q3, Hc, W, b, q_mask, mc, normalize, use_reentrant=False))
+        Qc, qm = (Q3[n0:n1], None if q_mask is None else q_mask[n0:n1]) if candidates else (Q3, q_mask)
+        if train and n1 - n0 < n:
+            parts.append(checkpoint(_chunk_scores, Qc, Hc, W, b, qm, mc, normalize, use_reentrant=False))
         else:
-            parts.append(_chunk_scores(Q3, Hc, W, b, q_mask, mc, normalize))
-    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+            parts.append(_chunk_scores(Qc, Hc, W, b, qm, mc, normalize))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0 if candidates else 1)
     return out[0] if single else out
 
 
@@ -87,9 +94,14 @@ def maxsim_from_hidden_reference(Q: Tensor, H: Tensor, W: Tensor, b: Optional[Te
     D = F.linear(H.double(), W.double(), None if b is None else b.double())
     if normalize:
         D = D / D.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-    s = torch.einsum("isd,ntd->inst", q, D)
-    if d_mask is not None:
-        s = s.masked_fill(~d_mask[None, :, None, :], float("-inf"))
+    if D.dim() == 4:  # each query's own candidates
+        s = torch.einsum("isd,intd->inst", q, D)
+        if d_mask is not None:
+            s = s.masked_fill(~d_mask[:, :, None, :], float("-inf"))
+    else:
+        s = torch.einsum("isd,ntd->inst", q, D)
+        if d_mask is not None:
+            s = s.masked_fill(~d_mask[None, :, None, :], float("-inf"))
     m = s.amax(-1)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     if q_mask is not None:
