@@ -374,8 +374,8 @@ std::tuple<at::Tensor, at::Tensor> backward_cuda(
 
   // ---- vectors and lane groups --------------------------------------------
   const int64_t esz = q.element_size();
-  const bool v16 = (dim * esz) % 16 == 0 && aligned16(q.data_ptr()) && aligned16(d.data_ptr()) &&
-                   (!do_dq || aligned16(out_q.data_ptr())) && (!do_dd || aligned16(out_d.data_ptr()));
+  const bool v16 = (dim * esz) % 16 == 0 && aligned_to(q.data_ptr(), 16) && aligned_to(d.data_ptr(), 16) &&
+                   (!do_dq || aligned_to(out_q.data_ptr(), 16)) && (!do_dd || aligned_to(out_d.data_ptr(), 16));
   const int VEC = v16 ? (int)(16 / esz) : 1;
   const int64_t nvec = dim / VEC;
   const int G = std::min(32, std::max(8, ceil_pow2(nvec)));

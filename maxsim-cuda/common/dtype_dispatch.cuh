@@ -34,8 +34,8 @@ auto dispatch_float_type(at::ScalarType t, F&& f) {
   }
 }
 
-// 16-byte vector loads / TMA sources need 16-byte aligned addresses.
-inline bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+// Whether ptr is a multiple of `bytes` (vector loads, TMA sources).
+inline bool aligned_to(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
 
 template <typename T>
 constexpr bool kIs16Bit = std::is_same<T, __half>::value || std::is_same<T, __nv_bfloat16>::value;

@@ -128,7 +128,7 @@ RowPair<T> row_pair(const at::Tensor& a, const at::Tensor& b) {
           rows_of(a), rows_of(a) + rows_of(b)};
 }
 
-inline bool rows_aligned16(const at::Tensor& x) { return !x.defined() || aligned16(x.data_ptr()); }
+inline bool rows_aligned16(const at::Tensor& x) { return !x.defined() || aligned_to(x.data_ptr(), 16); }
 
 // Inverse norms of two row blocks in one buffer; b's block starts on a
 // 16-byte boundary (the wgmma kernels read the documents' by TMA).

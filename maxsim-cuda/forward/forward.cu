@@ -301,7 +301,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
   plan::Request rq = forward_request(layout, Nq, Nd, q.size(0), d.size(0), P, lq, dim, dtype, quant,
                                      uniform_doc_scales, arg, precision, normalize);
   rq.ptr_align = ptr_align(p.q, p.d);
-  rq.d_scale_aligned = quant && aligned16(p.d_scale);
+  rq.d_scale_aligned = quant && aligned_to(p.d_scale, 16);
   const plan::DeviceFacts dev = cuda_device_facts();
   const plan::Plan pl = plan::plan_forward(rq, dev);
   TORCH_CHECK(pl.ok, pl.error);

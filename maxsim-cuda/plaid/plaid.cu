@@ -16,6 +16,7 @@
 #include <cmath>
 #include <type_traits>
 
+#include "../common/dtype_dispatch.cuh"
 #include "../common/smem_opt_in.h"
 #include "plaid_args.h"
 #include "torch_binding.h"
@@ -404,7 +405,7 @@ at::Tensor plaid_approx_cuda(const at::Tensor& qcs_in, const at::Tensor& codes_i
   const unsigned blocks = (unsigned)((pairs + per_block - 1) / per_block);
   const int64_t n_centroids = qcs.size(1), lq = qcs.size(2), tokens = codes.size(0);
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const bool vec = lq % 4 == 0 && reinterpret_cast<uintptr_t>(qcs.data_ptr()) % 16 == 0;
+  const bool vec = lq % 4 == 0 && aligned_to(qcs.data_ptr(), 16);
   const auto kernel = vec ? plaid_approx_kernel<true> : plaid_approx_kernel<false>;
   kernel<<<blocks, threads, 0, stream>>>(
       qcs.data_ptr<float>(), codes.data_ptr<int32_t>(), st.data_ptr<int32_t>(), ln.data_ptr<int32_t>(),
@@ -435,10 +436,7 @@ std::tuple<at::Tensor, at::Tensor> plaid_forward_cuda(const at::Tensor& q_in, co
                (long long)sh.pairs);
   const int dp = (int)((sh.dim + 3) / 4 * 4);
   const size_t smem = sizeof(float) * (dp * kQTile + dp * kDStride + kDTile + 256 + kThreads / 16);
-  const auto aligned = [](const at::Tensor& t, int64_t bytes) {
-    return reinterpret_cast<uintptr_t>(t.data_ptr()) % bytes == 0;
-  };
-  const bool wide = sh.dim % 4 == 0 && aligned(cent, 16) && aligned(res, nbits / 2);
+  const bool wide = sh.dim % 4 == 0 && aligned_to(cent.data_ptr(), 16) && aligned_to(res.data_ptr(), nbits / 2);
   with_nbits(nbits, [&](auto nb) {
     constexpr int NBITS = decltype(nb)::value;
     const auto launch = [&](auto wide_c) {  // a closure per WIDE: its own opt-in state
