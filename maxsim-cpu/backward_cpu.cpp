@@ -239,16 +239,14 @@ std::tuple<at::Tensor, at::Tensor> backward_cpu(
                 "maxsim backward_cpu: LIST needs pair_q, pair_d and the CSR tensors of each wanted gradient");
     for (const auto* t : {&*pair_q, &*pair_d}) check_index(*t, "LIST index");
     TORCH_CHECK(pair_d->numel() == pair_q->numel(), "maxsim backward_cpu: LIST index size mismatch");
-    if (need_dq) {
-      check_index(*q_ptr, "LIST index"), check_index(*q_pairs, "LIST index");
-      TORCH_CHECK(q_pairs->numel() == pair_q->numel() && q_ptr->numel() == Nq + 1,
+    // One side's CSR: ptr [owners + 1] into pairs [P].
+    const auto check_csr = [&](const at::Tensor& ptr, const at::Tensor& pairs, int64_t owners) {
+      check_index(ptr, "LIST index"), check_index(pairs, "LIST index");
+      TORCH_CHECK(pairs.numel() == pair_q->numel() && ptr.numel() == owners + 1,
                   "maxsim backward_cpu: LIST index size mismatch");
-    }
-    if (need_dd) {
-      check_index(*d_ptr, "LIST index"), check_index(*d_pairs, "LIST index");
-      TORCH_CHECK(d_pairs->numel() == pair_q->numel() && d_ptr->numel() == Nd + 1,
-                  "maxsim backward_cpu: LIST index size mismatch");
-    }
+    };
+    if (need_dq) check_csr(*q_ptr, *q_pairs, Nq);
+    if (need_dd) check_csr(*d_ptr, *d_pairs, Nd);
     expectP = pair_q->numel();
   }
   MAXSIM_CHECK(P == 0 || P == expectP, "maxsim backward_cpu: argmax has %lld rows, expected %lld", (long long)P,
