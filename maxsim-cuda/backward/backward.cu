@@ -204,8 +204,8 @@ void launch(BwdParams& p, bool do_dq, bool do_dd, int NG, cudaStream_t st) {
   size_t smem_dq = 0, smem_dd = 0;
   if (do_dq) plan_dq(p, (int64_t)occ_dq * prop->multiProcessorCount, NG, smem_dq, n_dq);
   if (do_dd && one_pair_docs(p)) {
-    // 3 resident CTAs per SM: the launch bounds of the fused kernel.
-    plan_dd_one_pair(p, 3 * (int64_t)prop->multiProcessorCount, NG, smem_dd, n_dd);
+    // Resident CTAs per SM: the launch bounds of the fused kernel.
+    plan_dd_one_pair(p, kOnePairCtasPerSm * (int64_t)prop->multiProcessorCount, NG, smem_dd, n_dd);
     if (n_dq > 0 && n_dq + n_dd <= kMaxGrid) {
       const size_t smem = std::max(smem_dq, smem_dd);
       set_dqdd_one_pair_smem<T, A, VEC, O>(smem);

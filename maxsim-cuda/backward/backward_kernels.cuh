@@ -18,7 +18,7 @@
 //   memory. Per chunk of PC pairs the CTA stages the pair info (doc row base,
 //   doc rows, grad) and the winners' document rows [PC, BR] in shared
 //   memory; document rows are loaded with 16-byte vectors through a ring of
-//   kRing loads in flight per lane.
+//   kRing loads in flight per lane (kRingBesideOnePair in the fused one-pair kernel).
 // dd_kernel (a scatter turned into a destination-owned reduction): CTA =
 //   (document j, row part c of C, dim chunk). The document's rows are done in
 //   passes of R rows (rows [R*(c + C*t), +R) in pass t) accumulated in an
@@ -57,6 +57,10 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kEpt = 8;                     // dd: entries per lane per chunk
 constexpr int kChunk = kThreads * kEpt;     // dd: entries per chunk
 constexpr int kRing = 8;                    // dq: row loads in flight per lane
+// dq beside the one-pair dd (dqdd_one_pair_kernel): 4 in flight keep it in
+// 64 registers, so 4 CTAs fit an SM (8 spill at that bound).
+constexpr int kRingBesideOnePair = 4;
+constexpr int kOnePairCtasPerSm = 4;       // dqdd_one_pair_kernel's launch bound
 constexpr int kRingDD = 8;                  // dd: the same (12 is slower)
 constexpr int kAmRound = 8;                 // dq staging: argmax loads in flight per thread
 constexpr int kCrossL = 0, kGroupedL = 1, kListL = 2;
@@ -415,7 +419,7 @@ __device__ __forceinline__ void smem_read(const float* __restrict__ row, int l, 
 // dq
 // ---------------------------------------------------------------------------
 // Dynamic shared memory: max(PC * 20 + PC * BR * 4, kThreads * VEC * 4) bytes.
-template <class T, class A, int VEC, class O>
+template <class T, class A, int VEC, class O, int RING = kRing>
 __device__ __forceinline__ void dq_cta(const BwdParams& p, int64_t item) {
   using V = Vec<T, VEC>;
   using raw_t = typename V::raw_t;
@@ -507,11 +511,11 @@ __device__ __forceinline__ void dq_cta(const BwdParams& p, int64_t item) {
       // This group's slice of the chunk, in pair order.
       const int klo = (int)((int64_t)nk * s / S), khi = (int)((int64_t)nk * (s + 1) / S);
       if (i < qrows && vok) {
-        // Ring of kRing row loads in flight. The staged winner is the
+        // Ring of RING row loads in flight. The staged winner is the
         // document row itself and a slot's validity a bit of `live`, so an
         // item costs one shared load to fetch and one (its grad) to consume.
-        raw_t buf[kRing];
-        float bsc[kRing];  // the rows' inverse norms (normalize)
+        raw_t buf[RING];
+        float bsc[RING];  // the rows' inverse norms (normalize)
         unsigned live = 0;
         auto fetch = [&](int kk, int u) {
           const int row = kk < khi ? c_am[kk * BR + r] : -1;
@@ -520,10 +524,10 @@ __device__ __forceinline__ void dq_cta(const BwdParams& p, int64_t item) {
           live = row >= 0 ? live | (1u << u) : live & ~(1u << u);
         };
 #pragma unroll
-        for (int u = 0; u < kRing; ++u) fetch(klo + u, u);
-        for (int kk = klo; kk < khi; kk += kRing) {
+        for (int u = 0; u < RING; ++u) fetch(klo + u, u);
+        for (int kk = klo; kk < khi; kk += RING) {
 #pragma unroll
-          for (int u = 0; u < kRing; ++u) {
+          for (int u = 0; u < RING; ++u) {
             const int k2 = kk + u;
             if (live & (1u << u)) {
               const float g = c_g[k2] * bsc[u];
@@ -532,7 +536,7 @@ __device__ __forceinline__ void dq_cta(const BwdParams& p, int64_t item) {
 #pragma unroll
               for (int e = 0; e < VEC; ++e) acc[e] = fmaf(g, f[e], acc[e]);
             }
-            fetch(kk + kRing + u, u);
+            fetch(kk + RING + u, u);
           }
         }
       }
@@ -898,13 +902,13 @@ __global__ void __launch_bounds__(kThreads, 2) dqdd_kernel(const BwdParams p, in
 }
 
 template <class T, class A, int VEC, class O>
-__global__ void __launch_bounds__(kThreads, 3) dqdd_one_pair_kernel(const BwdParams p, int n_dd) {
+__global__ void __launch_bounds__(kThreads, kOnePairCtasPerSm) dqdd_one_pair_kernel(const BwdParams p, int n_dd) {
   pdl_wait();
   const int b = (int)blockIdx.x;
   if (b < n_dd)
     dd_one_pair_cta<T, A, VEC, O>(p, b);
   else
-    dq_cta<T, A, VEC, O>(p, b - n_dd);
+    dq_cta<T, A, VEC, O, kRingBesideOnePair>(p, b - n_dd);
 }
 
 }  // namespace cuda_bwd
