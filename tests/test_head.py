@@ -50,6 +50,37 @@ def test_from_hidden_bf16_and_2d_query(ms, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_from_hidden_shared_winners(ms, device, dtype):
+    """Many query tokens picking the same few document rows, every gradient
+    against fp64, and the same gradients twice (deterministic)."""
+    Q, H, W, b = _inputs(device, 6, 40, 3, 4, 56, 24, True, seed=6)
+    Q = Q.to(dtype)
+    H, W, b = H.to(dtype), W.to(dtype), b.to(dtype)
+    d_mask = torch.zeros(3, 4, dtype=torch.bool, device=device)
+    d_mask[:, :2] = True
+    d_mask[2, 1] = False  # a document of one token: every query token picks it
+    q_mask = torch.ones(6, 40, dtype=torch.bool, device=device)
+    q_mask[4, 3:] = False
+    grads = []
+    for _ in range(2):
+        leaves = [t.clone().requires_grad_(True) for t in (Q, H, W, b)]
+        out = ms.maxsim_from_hidden(*leaves, d_mask, q_mask=q_mask)
+        gout = torch.randn(6, 3, generator=torch.Generator().manual_seed(7)).to(device)
+        (out * gout).sum().backward()
+        grads.append([t.grad for t in leaves])
+    refs = [t.detach().double().requires_grad_(True) for t in (Q, H, W, b)]
+    ref = ms.head.maxsim_from_hidden_reference(*refs, d_mask, q_mask=q_mask)
+    (ref * gout.double()).sum().backward()
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    assert relerr(out, ref, floor=1.0) < tol / 10
+    for a, a2, r, name in zip(grads[0], grads[1], refs, "QHWb"):
+        assert a.dtype == dtype and relerr(a, r.grad) < tol, name
+        assert torch.equal(a, a2), name
+    assert torch.all(grads[0][1][:, 2:] == 0)  # masked rows get nothing
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("chunk_mib", [256, 0])  # 0: one query (and its candidates) per chunk
 def test_from_hidden_candidates(ms, device, chunk_mib):
     """Each query's own K candidates, H [Nq, K, Ld, d_model] -> [Nq, K]:

@@ -74,9 +74,12 @@ def maxsim_from_hidden(Q: Tensor, H: Tensor, W: Tensor, b: Optional[Tensor] = No
     parts = []
     for n0 in range(0, max(n, 1), per):
         n1 = min(n, n0 + per)
-        Hc = H[n0:n1]
-        mc = None if d_mask is None else d_mask[n0:n1]
-        Qc, qm = (Q3[n0:n1], None if q_mask is None else q_mask[n0:n1]) if candidates else (Q3, q_mask)
+        # One chunk takes the tensors themselves: a whole-tensor slice would
+        # cost the backward a zero fill and a copy of the hidden states' size.
+        cut = (lambda t: t) if n1 - n0 == n else (lambda t: t[n0:n1])
+        Hc = cut(H)
+        mc = None if d_mask is None else cut(d_mask)
+        Qc, qm = (cut(Q3), None if q_mask is None else cut(q_mask)) if candidates else (Q3, q_mask)
         if train and n1 - n0 < n:
             parts.append(checkpoint(_chunk_scores, Qc, Hc, W, b, qm, mc, normalize, use_reentrant=False))
         else:
