@@ -45,6 +45,11 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.def(
       "plaid_backward(Tensor grad, Tensor q, Tensor codes, Tensor residuals, Tensor centroids, "
       "Tensor bucket_weights, Tensor d_start, Tensor d_len, Tensor argmax, int nbits, bool normalize) -> Tensor");
+  // MaxSim through a projection head, fused (torch_binding.h): inference
+  // only, sm_90a CUDA kernel; other devices take the composition in head.py.
+  ops.def(
+      "head_forward(Tensor q, Tensor h, Tensor w, Tensor? b, Tensor? q_mask, Tensor? d_mask, bool normalize) -> "
+      "Tensor");
   // The CUDA forward's plan for a call's shape facts (forward_plan.h): no
   // tensors, one implementation for every backend.
   ops.def(
@@ -82,6 +87,7 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.impl("plaid_approx", torch::kCUDA, &maxsim::plaid_approx_cuda);
   ops.impl("plaid_forward", torch::kCUDA, &maxsim::plaid_forward_cuda);
   ops.impl("plaid_backward", torch::kCUDA, &maxsim::plaid_backward_cuda);
+  ops.impl("head_forward", torch::kCUDA, &maxsim::head_forward_cuda);
 #endif
 #if defined(METAL_KERNEL)
   ops.impl("forward", torch::kMPS, &maxsim::forward_mps);

@@ -216,6 +216,20 @@ using PlaidBackwardFn = at::Tensor(const at::Tensor& grad, const at::Tensor& q, 
                                    const at::Tensor& bucket_weights, const at::Tensor& d_start,
                                    const at::Tensor& d_len, const at::Tensor& argmax, int64_t nbits, bool normalize);
 
+// head_forward: q [Nq, Lq, d_out], h [Nd, Ld, d_model], w [d_out, d_model],
+// b [d_out] (optional; same 16-bit dtype as q, h, w) -> scores [Nq, Nd] fp32:
+// MaxSim of q against the projected documents D = h @ w^T + b, each token
+// divided by max(|x|, 1e-12) when normalize and rounded to q's dtype, fp32
+// accumulation, without writing D to memory. q_mask [Nq, Lq], d_mask [Nd, Ld]
+// optional bool (true = real token); a query token with no valid document
+// token adds 0, NaN propagates. Forward only (no autograd). CUDA: the fused
+// sm_90a kernel (maxsim-cuda/head/head_fused.cu), for d_out == 128, d_model
+// a multiple of 64, Nq * Lq <= 64; the caller (head.py) routes every other
+// case to the composition.
+using HeadForwardFn = at::Tensor(const at::Tensor& q, const at::Tensor& h, const at::Tensor& w,
+                                 const std::optional<at::Tensor>& b, const std::optional<at::Tensor>& q_mask,
+                                 const std::optional<at::Tensor>& d_mask, bool normalize);
+
 // The CUDA forward's plan (forward_plan.cpp), as "key=value" words. arch -1:
 // the current CUDA device; else a model of sm_<arch> with sm_count SMs (<= 0:
 // the model's). force: "" or a family name (plan::family_name).
@@ -252,6 +266,7 @@ UniformSegmentsFn uniform_segments_cuda;
 PlaidApproxFn plaid_approx_cuda;
 PlaidForwardFn plaid_forward_cuda;
 PlaidBackwardFn plaid_backward_cuda;
+HeadForwardFn head_forward_cuda;
 // The planner's facts of the current CUDA device (maxsim-cuda/forward/forward.cu).
 plan::DeviceFacts cuda_device_facts();
 #endif

@@ -1,0 +1,142 @@
+// head_forward on CUDA: the fused projection-head MaxSim (head_fused.cuh),
+// sm_90a devices only. Three launches on the current stream (the running
+// maxima's -inf fill, the fused kernel, the finisher), no host
+// synchronisation: capturable in a CUDA graph.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <algorithm>
+
+#include "../common/dtype_dispatch.cuh"
+#include "../common/smem_opt_in.h"
+#include "head_fused.cuh"
+#include "torch_binding.h"
+
+namespace maxsim {
+namespace {
+
+// The kernel for T, its dynamic shared memory opted in; false when this
+// build lacks its sm_90a body (a stub without static shared memory).
+template <typename T>
+bool head_kernel_ready() {
+  static int state[kSmemOptInDevices] = {};  // 0 unknown, 1 ready, -1 unavailable
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev >= kSmemOptInDevices) return false;
+  if (state[dev] == 0) {
+    cudaFuncAttributes attr{};
+    bool ok = cudaFuncGetAttributes(&attr, head::head_fused_kernel<T>) == cudaSuccess && attr.sharedSizeBytes > 0;
+    if (ok)
+      ok = cudaFuncSetAttribute(head::head_fused_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                head::kHeadSmem) == cudaSuccess;
+    if (!ok) (void)cudaGetLastError();
+    state[dev] = ok ? 1 : -1;
+  }
+  return state[dev] == 1;
+}
+
+// A 2-D tensor map over rows x cols of 16-bit T (row-major, contiguous),
+// boxes of [box_rows x 64 columns] with the 128-byte swizzle.
+template <typename T>
+CUtensorMap head_map(const void* ptr, int64_t rows, int64_t cols, int box_rows, CUtensorMapL2promotion promo) {
+  CUtensorMap map;
+  cuuint64_t gdim[2] = {(cuuint64_t)cols, (cuuint64_t)rows};
+  cuuint64_t gstride[1] = {(cuuint64_t)cols * sizeof(T)};
+  cuuint32_t box[2] = {64u, (cuuint32_t)box_rows};
+  cuuint32_t estride[2] = {1, 1};
+  const CUtensorMapDataType dt =
+      std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  auto encode = cuda_fwd::wg_encode_fn();
+  TORCH_CHECK(encode != nullptr, "maxsim: head_forward: cuTensorMapEncodeTiled unavailable");
+  const CUresult r = encode(&map, dt, 2, const_cast<void*>(ptr), gdim, gstride, box, estride,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, promo,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(r == CUDA_SUCCESS, "maxsim: head_forward: cuTensorMapEncodeTiled failed (", (int)r, ")");
+  return map;
+}
+
+}  // namespace
+
+at::Tensor head_forward_cuda(const at::Tensor& q_in, const at::Tensor& h_in, const at::Tensor& w_in,
+                             const std::optional<at::Tensor>& b_in, const std::optional<at::Tensor>& q_mask_in,
+                             const std::optional<at::Tensor>& d_mask_in, bool normalize) {
+  TORCH_CHECK(q_in.dim() == 3 && h_in.dim() == 3 && w_in.dim() == 2,
+              "maxsim: head_forward: q [Nq, Lq, d_out], h [Nd, Ld, d_model], w [d_out, d_model]");
+  const at::ScalarType dt = q_in.scalar_type();
+  TORCH_CHECK(dt == at::kHalf || dt == at::kBFloat16, "maxsim: head_forward: fp16 / bf16 only");
+  TORCH_CHECK(h_in.scalar_type() == dt && w_in.scalar_type() == dt && (!b_in || b_in->scalar_type() == dt),
+              "maxsim: head_forward: q, h, w, b must share one dtype");
+  TORCH_CHECK(q_in.is_cuda() && h_in.device() == q_in.device() && w_in.device() == q_in.device() &&
+                  (!b_in || b_in->device() == q_in.device()),
+              "maxsim: head_forward: tensors on one CUDA device");
+  const int64_t Nq = q_in.size(0), Lq = q_in.size(1), Nd = h_in.size(0), Ld = h_in.size(1);
+  const int64_t d_out = w_in.size(0), d_model = w_in.size(1);
+  TORCH_CHECK(d_out == head::kHeadDout && q_in.size(2) == d_out, "maxsim: head_forward: d_out must be 128");
+  TORCH_CHECK(h_in.size(2) == d_model && d_model > 0 && d_model % 64 == 0,
+              "maxsim: head_forward: d_model must be a positive multiple of 64");
+  TORCH_CHECK(Nq * Lq <= head::kHeadNQ, "maxsim: head_forward: at most 64 query tokens (Nq * Lq)");
+  TORCH_CHECK(!b_in || (b_in->dim() == 1 && b_in->size(0) == d_out), "maxsim: head_forward: b must be [d_out]");
+  TORCH_CHECK(!q_mask_in || (q_mask_in->scalar_type() == at::kBool && q_mask_in->sizes() == at::IntArrayRef{Nq, Lq}),
+              "maxsim: head_forward: q_mask must be bool [Nq, Lq]");
+  TORCH_CHECK(!d_mask_in || (d_mask_in->scalar_type() == at::kBool && d_mask_in->sizes() == at::IntArrayRef{Nd, Ld}),
+              "maxsim: head_forward: d_mask must be bool [Nd, Ld]");
+  const int64_t rows = Nd * Ld;
+  TORCH_CHECK(rows + head::kHeadBM < ((int64_t)1 << 31), "maxsim: head_forward: Nd * Ld must be below 2^31");
+
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  const auto* prop = at::cuda::getCurrentDeviceProperties();
+  TORCH_CHECK(prop->major == 9, "maxsim: head_forward: the fused kernel needs an sm_90 device");
+  if (Nq * Lq == 0 || rows == 0) return at::zeros({Nq, Nd}, q_in.options().dtype(at::kFloat));
+  at::Tensor scores = at::empty({Nq, Nd}, q_in.options().dtype(at::kFloat));
+
+  // Operands: H and W through TMA (16-byte aligned base, rows of d_model
+  // elements); Q read with 16-byte loads. Copies only where a view is not
+  // contiguous / aligned (Q, W, b and the masks are small).
+  const auto aligned = [](const at::Tensor& t) -> at::Tensor {
+    if (t.is_contiguous() && aligned_to(t.data_ptr(), 16)) return t;
+    return t.clone(at::MemoryFormat::Contiguous);
+  };
+  const at::Tensor h = aligned(h_in), w = aligned(w_in), q = aligned(q_in);
+  const at::Tensor b = b_in ? b_in->contiguous() : at::Tensor();
+  const at::Tensor qm = q_mask_in ? q_mask_in->contiguous() : at::Tensor();
+  const at::Tensor dm = d_mask_in ? d_mask_in->contiguous() : at::Tensor();
+  const int nqv = (int)(Nq * Lq);
+  at::Tensor maxbuf = at::full({Nd, nqv}, (int64_t)head::kHeadNegInfKey, q_in.options().dtype(at::kInt));
+
+  head::HeadParams p{};
+  p.q = q.data_ptr();
+  p.bias = b.defined() ? b.data_ptr() : nullptr;
+  p.d_mask = dm.defined() ? reinterpret_cast<const unsigned char*>(dm.data_ptr<bool>()) : nullptr;
+  p.maxbuf = reinterpret_cast<uint32_t*>(maxbuf.data_ptr<int>());
+  p.T = rows;
+  p.ntiles = (rows + head::kHeadBM - 1) / head::kHeadBM;
+  p.Ld = (int)Ld;
+  p.nqv = nqv;
+  p.nkb = (int)(d_model / 64);
+  p.normalize = normalize ? 1 : 0;
+
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const unsigned grid = (unsigned)std::min<int64_t>(p.ntiles, std::max(1, prop->multiProcessorCount));
+  dispatch_float_type(dt, [&](auto tv) {
+    using T = decltype(tv);
+    if constexpr (kIs16Bit<T>) {
+      TORCH_CHECK(head_kernel_ready<T>(), "maxsim: head_forward: this build lacks the sm_90a kernel");
+      // H streams once (no L2 promotion beyond the default); W is re-read by
+      // every tile and stays in L2.
+      const CUtensorMap hmap = head_map<T>(h.data_ptr(), rows, d_model, head::kHeadBM, CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
+      const CUtensorMap wmap = head_map<T>(w.data_ptr(), d_out, d_model, head::kHeadDout,
+                                           CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
+      launch_pdl(head::head_fused_kernel<T>, dim3(grid), dim3(head::kHeadThreads), (size_t)head::kHeadSmem, stream,
+                 hmap, wmap, p);
+    }
+  });
+  const int64_t n = Nq * Nd;
+  const int threads = 256;
+  launch_pdl(head::head_finalize_kernel, dim3((unsigned)((n + threads - 1) / threads)), dim3(threads), 0, stream,
+             (const uint32_t*)p.maxbuf,
+             qm.defined() ? reinterpret_cast<const unsigned char*>(qm.data_ptr<bool>()) : nullptr,
+             scores.data_ptr<float>(), Nq, Nd, (int)Lq);
+  return scores;
+}
+
+}  // namespace maxsim

@@ -1,0 +1,312 @@
+// Fused MaxSim through a projection head (sm_90a: wgmma + TMA), the forward
+// of maxsim_from_hidden for inference:
+//   score[q, n] = sum over valid query tokens i of max over valid document
+//   tokens j of <Q[q, i], round(normalize(H[n, j] @ W^T + b))>
+// with the projected token rounded to the 16-bit dtype before the dot
+// product and fp32 accumulation everywhere, without writing the projected
+// documents to global memory. Scope: fp16 / bf16, d_out == 128, d_model a
+// multiple of 64, Nq * Lq <= 64 query tokens in all (one wgmma N of 64).
+//
+// Persistent kernel, one CTA per SM (384 threads), each CTA walking 128-row
+// tiles of the flat hidden rows [Nd * Ld, d_model] with a stride of gridDim.x:
+//   * warp 8 (producer, one lane): per 64-column k block of a tile, one TMA of
+//     the H tile [128 rows x 128 B] and one of the W tile [128 (d_out) rows x
+//     128 B] (both 128B-swizzled, K-major; rows past Nd * Ld zero-filled) into
+//     a kHeadStages-deep ring guarded by full / empty mbarriers. W is read
+//     again (from L2) for every tile: at 192 KB (d_model 768) it cannot stay
+//     resident beside the ring.
+//   * warpgroups 0 and 1 (consumers): each owns 64 of the tile's 128 rows.
+//     1. projection: a chain of d_model / 16 wgmma m64n128k16 (A = H rows,
+//        B = W, both from shared memory) into D [64 x 128] fp32 registers;
+//     2. epilogue in registers: + bias, the row's sum of squares (a quad's 4
+//        lanes hold one row: two shuffles), times 1 / max(|x|, 1e-12), rounded
+//        to T and repacked as wgmma A fragments (the m64nNk16 accumulator
+//        layout of 16-bit values is the A-register layout);
+//     3. scores: S^T [64 tokens x 64 query tokens] = D (A, registers) x Q^T
+//        (B: the query tokens [64 rows x 128], loaded once per CTA, rows past
+//        Nq * Lq zero), 8 wgmma m64n64k16;
+//     4. S^T goes to a per-warpgroup shared tile; the warpgroup's threads take
+//        (document segment of the 64 rows, query token) pairs, reduce the
+//        segment's valid rows with a NaN-propagating max and merge it into
+//        the running maxima maxbuf [Nd, Nq * Lq] with an atomic max on an
+//        order-preserving integer encoding (documents straddle tiles and CTAs).
+// head_finalize_kernel then sums each query's valid tokens' maxima (-inf,
+// i.e. no valid document token, adds 0) into scores [Nq, Nd].
+#pragma once
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+#include "../common/convert.cuh"
+#include "../common/pdl.cuh"
+#include "../forward_sm90a/forward_stream_wg.cuh"  // WgMmaSs (both operands from shared memory)
+#include "../forward_sm90a/forward_wgmma.cuh"     // WgMma (RS), wg_desc, mbarrier / TMA helpers
+
+namespace maxsim {
+namespace head {
+
+using cuda_cvt::to_f;
+using cuda_fwd::max_nan;
+using cuda_fwd::neg_inf;
+
+constexpr int kHeadThreads = 384;  // 2 consumer warpgroups + the producer's warpgroup
+constexpr int kHeadBM = 128;       // hidden rows per tile
+constexpr int kHeadDout = 128;     // projected width (wgmma N of the projection)
+constexpr int kHeadNQ = 64;        // query tokens per CTA (wgmma N of the scores)
+constexpr int kHeadStages = 5;     // k blocks in flight
+constexpr int kHeadSStride = 72;   // floats per row of the S^T tile (64 + 8: fewer bank conflicts)
+constexpr int kHeadTileBytes = kHeadBM * 128;                     // one operand's k block
+constexpr int kHeadStageBytes = 2 * kHeadTileBytes;               // H + W
+constexpr int kHeadQBytes = 2 * kHeadNQ * 128;                    // query tokens, 2 k blocks
+constexpr int kHeadSBytes = 2 * 64 * kHeadSStride * 4;            // S^T of both warpgroups
+constexpr int kHeadSmem = kHeadStages * kHeadStageBytes + kHeadQBytes + kHeadSBytes + 1024;  // + alignment
+
+// The running maxima as unsigned integers of the same order as the floats:
+// NaN above everything, -inf (no valid token yet) the initial value.
+constexpr uint32_t kHeadNegInfKey = 0x007FFFFFu;  // ~0xff800000
+__device__ __forceinline__ uint32_t head_key(float v) {
+  const uint32_t b = __float_as_uint(v);
+  return v != v ? 0xffffffffu : (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+__device__ __forceinline__ float head_unkey(uint32_t k) {
+  return k == 0xffffffffu ? __uint_as_float(0x7fffffffu)
+                          : __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+struct HeadParams {
+  const void* q;                // [nqv, 128] query tokens (16-byte aligned)
+  const void* bias;             // [128] or null
+  const unsigned char* d_mask;  // [T] (flat [Nd, Ld]) or null
+  uint32_t* maxbuf;             // [Nd, nqv] encoded running maxima
+  int64_t T;                    // hidden rows, Nd * Ld
+  int64_t ntiles;               // ceil(T / 128)
+  int Ld;                       // tokens per document (>= 1)
+  int nqv;                      // query tokens, Nq * Lq (1 .. 64)
+  int nkb;                      // 64-column k blocks of d_model
+  int normalize;
+};
+
+template <typename T>
+__device__ __forceinline__ uint32_t head_pack(float lo, float hi);
+template <>
+__device__ __forceinline__ uint32_t head_pack<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+template <>
+__device__ __forceinline__ uint32_t head_pack<__half>(float lo, float hi) {
+  __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kHeadThreads, 1)
+    head_fused_kernel(const __grid_constant__ CUtensorMap hmap, const __grid_constant__ CUtensorMap wmap,
+                      const HeadParams p) {
+#if MAXSIM_WG_DEVICE
+  using cuda_fwd::mbar_arrive;
+  using cuda_fwd::mbar_expect_tx;
+  using cuda_fwd::mbar_init;
+  using cuda_fwd::mbar_wait;
+  using cuda_fwd::named_bar;
+  using cuda_fwd::tma_load_2d;
+  using cuda_fwd::wg_commit;
+  using cuda_fwd::wg_desc;
+  using cuda_fwd::wg_fence;
+  using cuda_fwd::wg_fence_acc;
+  using cuda_fwd::wg_wait;
+  constexpr int ST = kHeadStages;
+
+  // Static shared memory (its presence tells the host the sm_90a body is in
+  // the build): barriers, bias, per-row validity.
+  __shared__ __align__(8) uint64_t bars[2 * ST];
+  __shared__ float bias_s[kHeadDout];
+  __shared__ unsigned char rowok_s[kHeadBM];
+  extern __shared__ __align__(1024) unsigned char head_smem[];
+  const uint32_t base = (cuda_fwd::smem_u32(head_smem) + 1023u) & ~1023u;
+  unsigned char* const base_ptr = head_smem + (base - cuda_fwd::smem_u32(head_smem));
+  const uint32_t ring = base;
+  const uint32_t q_s = ring + ST * kHeadStageBytes;
+  float* const s_all = reinterpret_cast<float*>(base_ptr + ST * kHeadStageBytes + kHeadQBytes);
+  const uint32_t bar_full = cuda_fwd::smem_u32(bars);
+  const uint32_t bar_empty = bar_full + 8u * ST;
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  if (tid == 0) {
+    for (int s = 0; s < ST; ++s) {
+      mbar_init(bar_full + 8u * s, 1);
+      mbar_init(bar_empty + 8u * s, 2);  // one arrival per consumer warpgroup
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  pdl_wait();  // before the first global access
+  // Query tokens -> [2 k blocks][64 rows][128 B], 128B swizzle (rows past nqv zero).
+  {
+    const uint4* q = reinterpret_cast<const uint4*>(p.q);
+    for (int x = tid; x < kHeadNQ * 16; x += kHeadThreads) {
+      const int r = x >> 4, j = x & 15;
+      uint4 v = make_uint4(0u, 0u, 0u, 0u);
+      if (r < p.nqv) v = q[(int64_t)r * 16 + j];
+      *reinterpret_cast<uint4*>(base_ptr + ST * kHeadStageBytes + (j >> 3) * kHeadNQ * 128 + r * 128 +
+                                (((j & 7) ^ (r & 7)) << 4)) = v;
+    }
+    if (tid < kHeadDout)
+      bias_s[tid] = p.bias != nullptr ? to_f<T>(reinterpret_cast<const T*>(p.bias)[tid]) : 0.f;
+  }
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic writes -> wgmma operand reads
+  __syncthreads();
+
+  if (warp >= 8) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    if (warp != 8 || lane != 0) return;
+    // ---- producer ----------------------------------------------------------
+    uint32_t g = 0;
+    for (int64_t tile = blockIdx.x; tile < p.ntiles; tile += gridDim.x) {
+      const int y = (int)(tile * kHeadBM);
+      for (int kb = 0; kb < p.nkb; ++kb, ++g) {
+        const int s = (int)(g % ST);
+        mbar_wait(bar_empty + 8u * s, ((g / ST) & 1u) ^ 1u);
+        const uint32_t dst = ring + (uint32_t)(s * kHeadStageBytes);
+        mbar_expect_tx(bar_full + 8u * s, (uint32_t)kHeadStageBytes);
+        tma_load_2d(dst, &hmap, kb * 64, y, bar_full + 8u * s);
+        tma_load_2d(dst + kHeadTileBytes, &wmap, kb * 64, 0, bar_full + 8u * s);
+      }
+    }
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+  // ---- consumers -------------------------------------------------------------
+  const int wg = warp >> 2, wq = warp & 3, tw = tid & 127;
+  const int g8 = lane >> 2, c4 = lane & 3;
+  float* const s_t = s_all + wg * 64 * kHeadSStride;  // this warpgroup's S^T [64 rows][kHeadSStride]
+  unsigned char* const rowok = rowok_s + wg * 64;
+  float acc[64], sacc[32];
+  uint32_t g = 0;
+  for (int64_t tile = blockIdx.x; tile < p.ntiles; tile += gridDim.x) {
+    // 1. projection: D = H rows x W^T over d_model.
+    for (int kb = 0; kb < p.nkb; ++kb, ++g) {
+      const int s = (int)(g % ST);
+      mbar_wait(bar_full + 8u * s, (g / ST) & 1u);
+      const uint32_t hs = ring + (uint32_t)(s * kHeadStageBytes) + (uint32_t)(wg * 64 * 128);
+      const uint32_t ws = ring + (uint32_t)(s * kHeadStageBytes + kHeadTileBytes);
+      wg_fence_acc<64>(acc);
+      wg_fence();
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        cuda_fwd::WgMmaSs<T, 128>::run(acc, wg_desc(hs + 32u * k), wg_desc(ws + 32u * k), (kb | k) != 0);
+      wg_commit();
+      if (kb > 0) {  // the previous k block's chain has retired: free its stage
+        wg_wait<1>();
+        if (tw == 0) mbar_arrive(bar_empty + 8u * ((g - 1) % ST));
+      }
+    }
+    wg_wait<0>();
+    wg_fence_acc<64>(acc);
+    if (tw == 0) mbar_arrive(bar_empty + 8u * ((g - 1) % ST));
+
+    // 2. epilogue: bias, normalisation, rounding, A fragments.
+    // acc[4 j + 2 h + e]: row 16 wq + g8 + 8 h of the warpgroup, column 8 j + 2 c4 + e.
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float bv = bias_s[8 * j + 2 * c4 + e];
+        acc[4 * j + e] += bv;
+        acc[4 * j + 2 + e] += bv;
+      }
+    if (p.normalize) {
+      float ss[2] = {0.f, 0.f};
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) ss[h] = fmaf(acc[4 * j + 2 * h + e], acc[4 * j + 2 * h + e], ss[h]);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        ss[h] += __shfl_xor_sync(0xffffffffu, ss[h], 1);
+        ss[h] += __shfl_xor_sync(0xffffffffu, ss[h], 2);
+        ss[h] = 1.f / fmaxf(sqrtf(ss[h]), 1e-12f);
+      }
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) acc[4 * j + 2 * h + e] *= ss[h];
+    }
+    uint32_t a[8][4];
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) a[ks][r] = head_pack<T>(acc[8 * ks + 2 * r], acc[8 * ks + 2 * r + 1]);
+
+    // 3. scores: S^T = D x Q^T (8 k steps over d_out).
+    wg_fence_acc<32>(sacc);
+    wg_fence();
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks)
+      cuda_fwd::WgMma<T>::n64(sacc, a[ks], wg_desc(q_s + (uint32_t)((ks >> 2) * kHeadNQ * 128 + (ks & 3) * 32)),
+                              ks);
+    wg_commit();
+    wg_wait<0>();
+    wg_fence_acc<32>(sacc);
+
+    // 4. per-document maxima of the warpgroup's 64 rows.
+    const int64_t t0 = tile * kHeadBM + wg * 64;
+    named_bar(1 + wg, 128);  // the previous tile's reduction has read s_t / rowok
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = wq * 16 + g8 + 8 * h;
+        *reinterpret_cast<float2*>(s_t + r * kHeadSStride + 8 * j + 2 * c4) =
+            make_float2(sacc[4 * j + 2 * h], sacc[4 * j + 2 * h + 1]);
+      }
+    if (tw < 64) {
+      const int64_t t = t0 + tw;
+      rowok[tw] = t < p.T && (p.d_mask == nullptr || p.d_mask[t]);
+    }
+    named_bar(1 + wg, 128);
+    if (t0 < p.T) {
+      const int nv = p.T - t0 < 64 ? (int)(p.T - t0) : 64;
+      const int64_t n_first = t0 / p.Ld;
+      const int nseg = (int)((t0 + nv - 1) / p.Ld - n_first) + 1;
+      const int items = nseg * p.nqv;
+      for (int it = tw; it < items; it += 128) {
+        const int seg = it / p.nqv, col = it - seg * p.nqv;
+        const int64_t n = n_first + seg;
+        const int64_t lo = n * p.Ld - t0, hi = lo + p.Ld;
+        const int r0 = lo > 0 ? (int)lo : 0;
+        const int r1 = hi < nv ? (int)hi : nv;
+        float m = neg_inf();
+        for (int r = r0; r < r1; ++r)
+          if (rowok[r]) m = max_nan(m, s_t[r * kHeadSStride + col]);
+        if (m != neg_inf()) atomicMax(p.maxbuf + n * p.nqv + col, head_key(m));
+      }
+    }
+  }
+#endif  // MAXSIM_WG_DEVICE
+}
+
+// scores [Nq, Nd] from the running maxima: query q's valid tokens' maxima
+// summed in token order; a token without any valid document token adds 0.
+__global__ void head_finalize_kernel(const uint32_t* __restrict__ maxbuf, const unsigned char* __restrict__ q_mask,
+                                     float* __restrict__ scores, int64_t Nq, int64_t Nd, int Lq) {
+  pdl_wait();
+  const int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+  if (i >= Nq * Nd) return;
+  const int64_t q = i / Nd, n = i - q * Nd;
+  const int nqv = (int)Nq * Lq;
+  float sum = 0.f;
+  for (int k = 0; k < Lq; ++k) {
+    const int c = (int)q * Lq + k;
+    if (q_mask != nullptr && !q_mask[c]) continue;
+    const float v = head_unkey(maxbuf[n * nqv + c]);
+    sum += v == neg_inf() ? 0.f : v;
+  }
+  scores[i] = sum;
+}
+
+}  // namespace head
+}  // namespace maxsim
