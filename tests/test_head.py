@@ -109,3 +109,128 @@ def test_from_hidden_candidates(ms, device, chunk_mib):
         assert relerr(a.grad, r.grad) < 1e-4, name
     with pytest.raises(ValueError):
         ms.maxsim_from_hidden(Q[0], H, W, b)  # a 2-D query with per-query candidates
+
+
+# -- the fused inference kernel (head_forward, sm_90a) ---------------------------
+
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+needs_sm90 = pytest.mark.skipif(not SM90, reason="the fused head kernel needs an sm_90 GPU")
+# Projected tokens are rounded to the 16-bit dtype before the dot product.
+FUSED_TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+def _fused_inputs(Nq, Lq, Nd, Ld, dm, dtype, bias, seed):
+    Q, H, W, b = _inputs("cuda", Nq, Lq, Nd, Ld, dm, 128, bias, seed=seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    d_mask = (torch.rand(Nd, Ld, generator=g) > 0.2).cuda()
+    d_mask[:, 0] = True
+    if Nd > 2:
+        d_mask[Nd // 2] = False  # an empty document: every query token adds 0
+    q_mask = torch.ones(Nq, Lq, dtype=torch.bool, device="cuda")
+    if Lq > 1:
+        q_mask[-1, -1] = False  # a padded query token
+    return (Q.to(dtype), H.to(dtype), W.to(dtype), None if b is None else b.to(dtype)), q_mask, d_mask
+
+
+# (Nq, Lq, Nd, Ld, d_model): Nq * Lq of 1, 32 and 64; odd document lengths
+# (tiles of 128 rows end inside documents; Ld 300 spans three tiles); Nd not
+# a multiple of anything.
+FUSED_SHAPES = [(1, 1, 7, 1, 64), (1, 32, 13, 15, 768), (2, 16, 11, 17, 64), (4, 16, 9, 33, 768),
+                (1, 32, 37, 300, 768), (2, 32, 5, 300, 64), (8, 8, 3, 129, 128)]
+
+
+@needs_sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("shape", FUSED_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_fused_head_forward(ms, dtype, bias, normalize, shape):
+    Nq, Lq, Nd, Ld, dm = shape
+    (Q, H, W, b), q_mask, d_mask = _fused_inputs(Nq, Lq, Nd, Ld, dm, dtype, bias, seed=Nd + Ld)
+    out = ms.ops.head_forward(Q, H, W, b, q_mask, d_mask, normalize)
+    assert out.shape == (Nq, Nd) and out.dtype == torch.float32
+    ref = ms.head.maxsim_from_hidden_reference(Q, H, W, b, d_mask, q_mask=q_mask, normalize=normalize)
+    comp = ms.head._chunk_scores(Q, H, W, b, q_mask, d_mask, normalize)
+    assert relerr(out, ref, floor=1.0) < FUSED_TOL[dtype]
+    assert relerr(out, comp, floor=1.0) < FUSED_TOL[dtype]
+    if Nd > 2:
+        assert torch.all(out[:, Nd // 2] == 0)
+    # The inference path of maxsim_from_hidden is this op (bitwise: the
+    # kernel is deterministic), in one chunk and in one document per chunk.
+    with torch.no_grad():
+        for chunk_mib in (256, 0):
+            routed = ms.maxsim_from_hidden(Q, H, W, b, d_mask, q_mask=q_mask, normalize=normalize,
+                                           chunk_mib=chunk_mib)
+            assert torch.equal(routed, out)
+    # Without masks.
+    out = ms.ops.head_forward(Q, H, W, b, None, None, normalize)
+    ref = ms.head.maxsim_from_hidden_reference(Q, H, W, b, normalize=normalize)
+    assert relerr(out, ref, floor=1.0) < FUSED_TOL[dtype]
+
+
+@needs_sm90
+def test_fused_head_forward_nan_and_empty(ms):
+    """NaN in a valid token reaches its document's score (masked, it does
+    not); no documents, and no query tokens, give empty / zero scores."""
+    (Q, H, W, b), q_mask, _ = _fused_inputs(2, 8, 6, 40, 128, torch.bfloat16, True, seed=3)
+    d_mask = torch.ones(6, 40, dtype=torch.bool, device="cuda")
+    H = H.clone()
+    H[1, 39, 5] = float("nan")
+    H[4, 7, 0] = float("nan")
+    d_mask[4, 7] = False
+    out = ms.ops.head_forward(Q, H, W, b, q_mask, d_mask, True)
+    nan = torch.isnan(out)
+    assert nan[:, 1].all() and nan.sum() == 2
+    ref = ms.head.maxsim_from_hidden_reference(Q, H, W, b, d_mask, q_mask=q_mask)
+    keep = [0, 2, 3, 4, 5]
+    assert relerr(out[:, keep], ref[:, keep], floor=1.0) < FUSED_TOL[torch.bfloat16]
+    assert ms.ops.head_forward(Q, H[:0], W, b, None, None, True).shape == (2, 0)
+    assert torch.equal(ms.ops.head_forward(Q[:, :0], H, W, b, None, None, True), torch.zeros(2, 6, device="cuda"))
+
+
+@needs_sm90
+def test_fused_head_forward_cuda_graph(ms):
+    from conftest import capture_cuda_graph
+
+    (Q, H, W, b), q_mask, d_mask = _fused_inputs(1, 32, 21, 50, 768, torch.bfloat16, True, seed=5)
+    eager = ms.ops.head_forward(Q, H, W, b, q_mask, d_mask, True)
+    graph, out = capture_cuda_graph(lambda: ms.ops.head_forward(Q, H, W, b, q_mask, d_mask, True))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_from_hidden_outside_fused_scope(ms, device, dtype):
+    """Inference calls outside the fused kernel's scope (d_out 96, too many
+    query tokens, fp32) take the composition on every device."""
+    for Nq, Lq, do in ((2, 9, 96), (3, 30, 128)):
+        Q, H, W, b = (t.to(dtype) for t in _inputs(device, Nq, Lq, 5, 21, 64, do, True, seed=do))
+        with torch.no_grad():
+            out = ms.maxsim_from_hidden(Q, H, W, b)
+        ref = ms.head.maxsim_from_hidden_reference(Q, H, W, b)
+        assert out.shape == (Nq, 5) and relerr(out, ref, floor=1.0) < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_head_forward_op_everywhere(ms, device):
+    """The op answers on every device (the composition where no kernel is
+    compiled) and has a shape-only kernel (meta / torch.compile)."""
+    import warnings
+
+    Q, H, W, b = _inputs(device, 2, 5, 4, 9, 64, 128, True, seed=8)
+    tol = 1e-5
+    if device == "cuda":  # the compiled kernel: sm_90, 16-bit tokens
+        if not SM90:
+            pytest.skip("the CUDA head_forward kernel needs an sm_90 GPU")
+        Q, H, W, b, tol = Q.bfloat16(), H.bfloat16(), W.bfloat16(), b.bfloat16(), FUSED_TOL[torch.bfloat16]
+    d_mask = torch.ones(4, 9, dtype=torch.bool, device=device)
+    d_mask[2] = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = ms.ops.head_forward(Q, H, W, b, None, d_mask, True)
+    ref = ms.head.maxsim_from_hidden_reference(Q, H, W, b, d_mask)
+    assert out.shape == (2, 4) and relerr(out, ref, floor=1.0) < tol
+    meta = ms.ops.head_forward(*(t.to("meta") for t in (Q, H, W, b)), None, None, False)
+    assert meta.shape == (2, 4) and meta.dtype == torch.float32

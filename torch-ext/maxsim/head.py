@@ -6,9 +6,13 @@ documents of the whole batch: documents are projected a chunk at a time
 (about ``chunk_mib`` MiB of projected tokens) and scored by the compiled
 MaxSim kernels; in training every chunk is checkpointed, so the backward
 re-projects it instead of keeping it, and the memory stays one chunk's
-whatever the batch. Differentiable in ``Q``, ``H``, ``W`` and ``b``. This is
-the chunked composition (cuBLAS projection + the MaxSim kernels), not a
-single fused kernel.
+whatever the batch. Differentiable in ``Q``, ``H``, ``W`` and ``b``. In
+training this is the chunked composition (cuBLAS projection + the MaxSim
+kernels). Inference on an sm_90 GPU within the fused kernel's scope (fp16 /
+bf16, ``d_out == 128``, ``d_model`` a multiple of 64, at most 64 query tokens
+in all, documents shared by every query) takes the op ``head_forward``: one
+kernel projects, normalises and scores each tile of hidden states without
+writing the projected documents to memory.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from ._ops import add_op_namespace_prefix, ops
+from ._registry import meta_kernel, register_fallbacks, warn_fallback
 from .checks import check_float
 from .scoring import maxsim
 
@@ -36,6 +42,53 @@ def _project(H: Tensor, W: Tensor, b: Optional[Tensor], normalize: bool, dtype) 
 
 def _chunk_scores(Q, H, W, b, q_mask, d_mask, normalize):
     return maxsim(Q, _project(H, W, b, normalize, Q.dtype), q_mask, d_mask)
+
+
+HEAD_FORWARD = add_op_namespace_prefix("head_forward")
+
+
+@meta_kernel(HEAD_FORWARD)
+def _head_forward_fake(q, h, w, b, q_mask, d_mask, normalize):
+    return q.new_empty((q.shape[0], h.shape[0]), dtype=torch.float32)
+
+
+def _reference_head_forward(q, h, w, b, q_mask, d_mask, normalize):
+    warn_fallback("head_forward", q.device.type)
+    return _chunk_scores(q, h, w, b, q_mask, d_mask, normalize)
+
+
+# The op is compiled for CUDA only (the sm_90a kernel); elsewhere it is the
+# composition, so it answers on every device.
+register_fallbacks(((HEAD_FORWARD, _reference_head_forward),))
+
+_FUSED_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _sm90(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def _fused_ok(Q3: Tensor, H: Tensor, W: Tensor, b: Optional[Tensor], q_mask, d_mask) -> bool:
+    """Whether ``head_forward``'s fused kernel takes this (inference) call:
+    an sm_90 GPU, fp16 / bf16 throughout, d_out 128, d_model a multiple of
+    64, at most 64 query tokens, shared documents (3-D H, contiguous, 16-byte
+    aligned: it streams through TMA), boolean masks of the exact shapes."""
+    if not (Q3.is_cuda and H.dim() == 3 and Q3.dtype in _FUSED_DTYPES):
+        return False
+    if any(t is not None and (t.dtype != Q3.dtype or t.device != Q3.device) for t in (H, W, b)):
+        return False
+    Nq, Lq, d_out = Q3.shape
+    Nd, Ld, d_model = H.shape
+    if d_out != 128 or d_model % 64 or d_model == 0 or Nq * Lq > 64:
+        return False
+    # The offset, not data_ptr(): fake tensors (torch.compile) have none. A
+    # base pointer the caching allocator did not align costs the op a copy.
+    if not H.is_contiguous() or H.storage_offset() * H.element_size() % 16:
+        return False
+    for m, shape in ((q_mask, (Nq, Lq)), (d_mask, (Nd, Ld))):
+        if m is not None and (m.dtype != torch.bool or tuple(m.shape) != shape or m.device != Q3.device):
+            return False
+    return _sm90(Q3.device)
 
 
 def maxsim_from_hidden(Q: Tensor, H: Tensor, W: Tensor, b: Optional[Tensor] = None,
@@ -71,6 +124,7 @@ def maxsim_from_hidden(Q: Tensor, H: Tensor, W: Tensor, b: Optional[Tensor] = No
     row_bytes = max(math.prod(H.shape[1:-1]) * max(Q3.shape[-1], 1) * 4, 1)
     per = max(1, (chunk_mib << 20) // row_bytes)
     train = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (Q3, H, W, b))
+    fused = not train and not candidates and _fused_ok(Q3, H, W, b, q_mask, d_mask)
     parts = []
     for n0 in range(0, max(n, 1), per):
         n1 = min(n, n0 + per)
@@ -80,7 +134,9 @@ def maxsim_from_hidden(Q: Tensor, H: Tensor, W: Tensor, b: Optional[Tensor] = No
         Hc = cut(H)
         mc = None if d_mask is None else cut(d_mask)
         Qc, qm = (cut(Q3), None if q_mask is None else cut(q_mask)) if candidates else (Q3, q_mask)
-        if train and n1 - n0 < n:
+        if fused:
+            parts.append(ops.head_forward(Qc, Hc, W, b, qm, mc, normalize))
+        elif train and n1 - n0 < n:
             parts.append(checkpoint(_chunk_scores, Qc, Hc, W, b, qm, mc, normalize, use_reentrant=False))
         else:
             parts.append(_chunk_scores(Qc, Hc, W, b, qm, mc, normalize))
