@@ -25,11 +25,12 @@
 //     3. scores: S^T [64 tokens x 64 query tokens] = D (A, registers) x Q^T
 //        (B: the query tokens [64 rows x 128], loaded once per CTA, rows past
 //        Nq * Lq zero), 8 wgmma m64n64k16;
-//     4. S^T goes to a per-warpgroup shared tile; the warpgroup's threads take
-//        (document segment of the 64 rows, query token) pairs, reduce the
-//        segment's valid rows with a NaN-propagating max and merge it into
-//        the running maxima maxbuf [Nd, Nq * Lq] with an atomic max on an
-//        order-preserving integer encoding (documents straddle tiles and CTAs).
+//     4. S^T (rows past Nd * Ld or masked out: -inf) goes to a per-warpgroup
+//        shared tile; the warpgroup's threads take (document segment of the 64
+//        rows, query token[, part of the segment's rows]) items, reduce them
+//        with a NaN-propagating max and merge each into the running maxima
+//        maxbuf [Nd, Nq * Lq] with an atomic max on an order-preserving
+//        integer encoding (documents straddle tiles and CTAs).
 // head_finalize_kernel then sums each query's valid tokens' maxima (-inf,
 // i.e. no valid document token, adds 0) into scores [Nq, Nd].
 #pragma once
@@ -118,10 +119,9 @@ __global__ void __launch_bounds__(kHeadThreads, 1)
   constexpr int ST = kHeadStages;
 
   // Static shared memory (its presence tells the host the sm_90a body is in
-  // the build): barriers, bias, per-row validity.
+  // the build): barriers, bias.
   __shared__ __align__(8) uint64_t bars[2 * ST];
   __shared__ float bias_s[kHeadDout];
-  __shared__ unsigned char rowok_s[kHeadBM];
   extern __shared__ __align__(1024) unsigned char head_smem[];
   const uint32_t base = (cuda_fwd::smem_u32(head_smem) + 1023u) & ~1023u;
   unsigned char* const base_ptr = head_smem + (base - cuda_fwd::smem_u32(head_smem));
@@ -179,7 +179,6 @@ __global__ void __launch_bounds__(kHeadThreads, 1)
   const int wg = warp >> 2, wq = warp & 3, tw = tid & 127;
   const int g8 = lane >> 2, c4 = lane & 3;
   float* const s_t = s_all + wg * 64 * kHeadSStride;  // this warpgroup's S^T [64 rows][kHeadSStride]
-  unsigned char* const rowok = rowok_s + wg * 64;
   float acc[64], sacc[32];
   uint32_t g = 0;
   for (int64_t tile = blockIdx.x; tile < p.ntiles; tile += gridDim.x) {
@@ -203,6 +202,13 @@ __global__ void __launch_bounds__(kHeadThreads, 1)
     wg_wait<0>();
     wg_fence_acc<64>(acc);
     if (tw == 0) mbar_arrive(bar_empty + 8u * ((g - 1) % ST));
+    // Validity of this thread's two rows (16 wq + g8 + 8 h of the warpgroup).
+    bool row_ok[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t t = tile * kHeadBM + wg * 64 + wq * 16 + g8 + 8 * h;
+      row_ok[h] = t < p.T && (p.d_mask == nullptr || p.d_mask[t]);
+    }
 
     // 2. epilogue: bias, normalisation, rounding, A fragments.
     // acc[4 j + 2 h + e]: row 16 wq + g8 + 8 h of the warpgroup, column 8 j + 2 c4 + e.
@@ -252,9 +258,19 @@ __global__ void __launch_bounds__(kHeadThreads, 1)
     wg_wait<0>();
     wg_fence_acc<32>(sacc);
 
-    // 4. per-document maxima of the warpgroup's 64 rows.
+    // 4. per-document maxima of the warpgroup's 64 rows. Rows past the
+    // hidden rows or masked out become -inf in registers (their loads were
+    // issued before the epilogue), so the reduction below reads no mask.
     const int64_t t0 = tile * kHeadBM + wg * 64;
-    named_bar(1 + wg, 128);  // the previous tile's reduction has read s_t / rowok
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      if (!row_ok[h])
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          sacc[4 * j + 2 * h] = neg_inf();
+          sacc[4 * j + 2 * h + 1] = neg_inf();
+        }
+    named_bar(1 + wg, 128);  // the previous tile's reduction has read s_t
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -263,26 +279,37 @@ __global__ void __launch_bounds__(kHeadThreads, 1)
         *reinterpret_cast<float2*>(s_t + r * kHeadSStride + 8 * j + 2 * c4) =
             make_float2(sacc[4 * j + 2 * h], sacc[4 * j + 2 * h + 1]);
       }
-    if (tw < 64) {
-      const int64_t t = t0 + tw;
-      rowok[tw] = t < p.T && (p.d_mask == nullptr || p.d_mask[t]);
-    }
     named_bar(1 + wg, 128);
     if (t0 < p.T) {
+      // Items: (document segment of the 64 rows, query token, row part). A
+      // segment's rows split into `parts` ranges when there are fewer
+      // (segment, token) pairs than threads (long documents): each part
+      // merges on its own.
       const int nv = p.T - t0 < 64 ? (int)(p.T - t0) : 64;
       const int64_t n_first = t0 / p.Ld;
       const int nseg = (int)((t0 + nv - 1) / p.Ld - n_first) + 1;
-      const int items = nseg * p.nqv;
+      const int pairs = nseg * p.nqv;
+      const int parts = pairs >= 64 ? 1 : pairs >= 32 ? 2 : pairs >= 16 ? 4 : 8;
+      const int items = pairs * parts;
       for (int it = tw; it < items; it += 128) {
-        const int seg = it / p.nqv, col = it - seg * p.nqv;
+        const int pair = it / parts, part = it - pair * parts;
+        const int seg = pair / p.nqv, col = pair - seg * p.nqv;
         const int64_t n = n_first + seg;
         const int64_t lo = n * p.Ld - t0, hi = lo + p.Ld;
         const int r0 = lo > 0 ? (int)lo : 0;
         const int r1 = hi < nv ? (int)hi : nv;
-        float m = neg_inf();
-        for (int r = r0; r < r1; ++r)
-          if (rowok[r]) m = max_nan(m, s_t[r * kHeadSStride + col]);
-        if (m != neg_inf()) atomicMax(p.maxbuf + n * p.nqv + col, head_key(m));
+        const int per = (r1 - r0 + parts - 1) / parts;
+        const int q0 = r0 + part * per;
+        const int q1 = q0 + per < r1 ? q0 + per : r1;
+        float m[4] = {neg_inf(), neg_inf(), neg_inf(), neg_inf()};
+        const float* sc = s_t + col;
+        int r = q0;
+        for (; r + 4 <= q1; r += 4)
+#pragma unroll
+          for (int u = 0; u < 4; ++u) m[u] = max_nan(m[u], sc[(r + u) * kHeadSStride]);
+        for (; r < q1; ++r) m[0] = max_nan(m[0], sc[r * kHeadSStride]);
+        const float mx = max_nan(max_nan(m[0], m[1]), max_nan(m[2], m[3]));
+        if (mx != neg_inf()) atomicMax(p.maxbuf + n * p.nqv + col, head_key(mx));
       }
     }
   }
