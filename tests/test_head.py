@@ -144,7 +144,9 @@ FUSED_SHAPES = [(1, 1, 7, 1, 64), (1, 32, 13, 15, 768), (2, 16, 11, 17, 64), (4,
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("normalize", [True, False])
 @pytest.mark.parametrize("shape", FUSED_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_fused_head_forward(ms, dtype, bias, normalize, shape):
+@pytest.mark.parametrize("rows_per_tile", ["256", "128"])
+def test_fused_head_forward(ms, monkeypatch, dtype, bias, normalize, shape, rows_per_tile):
+    monkeypatch.setenv("MAXSIM_HEAD_BM", rows_per_tile)  # the kernel's two tile heights
     Nq, Lq, Nd, Ld, dm = shape
     (Q, H, W, b), q_mask, d_mask = _fused_inputs(Nq, Lq, Nd, Ld, dm, dtype, bias, seed=Nd + Ld)
     out = ms.ops.head_forward(Q, H, W, b, q_mask, d_mask, normalize)

@@ -6,6 +6,8 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
 #include "../common/dtype_dispatch.cuh"
 #include "../common/smem_opt_in.h"
@@ -17,7 +19,7 @@ namespace {
 
 // The kernel for T, its dynamic shared memory opted in; false when this
 // build lacks its sm_90a body (a stub without static shared memory).
-template <typename T>
+template <typename T, int MT>
 bool head_kernel_ready() {
   static int state[kSmemOptInDevices] = {};  // 0 unknown, 1 ready, -1 unavailable
   int dev = 0;
@@ -25,10 +27,10 @@ bool head_kernel_ready() {
   if (dev >= kSmemOptInDevices) return false;
   if (state[dev] == 0) {
     cudaFuncAttributes attr{};
-    bool ok = cudaFuncGetAttributes(&attr, head::head_fused_kernel<T>) == cudaSuccess && attr.sharedSizeBytes > 0;
+    bool ok = cudaFuncGetAttributes(&attr, head::head_fused_kernel<T, MT>) == cudaSuccess && attr.sharedSizeBytes > 0;
     if (ok)
-      ok = cudaFuncSetAttribute(head::head_fused_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                head::kHeadSmem) == cudaSuccess;
+      ok = cudaFuncSetAttribute(head::head_fused_kernel<T, MT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                head::HeadCfg<MT>::SMEM) == cudaSuccess;
     if (!ok) (void)cudaGetLastError();
     state[dev] = ok ? 1 : -1;
   }
@@ -53,6 +55,14 @@ CUtensorMap head_map(const void* ptr, int64_t rows, int64_t cols, int box_rows, 
                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   TORCH_CHECK(r == CUDA_SUCCESS, "maxsim: head_forward: cuTensorMapEncodeTiled failed (", (int)r, ")");
   return map;
+}
+
+// Hidden rows per tile: 256 (two 64-row blocks per consumer warpgroup: W is
+// read from L2 once per 256 rows), or 128 with MAXSIM_HEAD_BM=128 (deeper
+// ring, fewer registers).
+int head_rows_per_tile() {
+  const char* v = std::getenv("MAXSIM_HEAD_BM");
+  return v != nullptr && std::strcmp(v, "128") == 0 ? 128 : 256;
 }
 
 }  // namespace
@@ -81,7 +91,7 @@ at::Tensor head_forward_cuda(const at::Tensor& q_in, const at::Tensor& h_in, con
   TORCH_CHECK(!d_mask_in || (d_mask_in->scalar_type() == at::kBool && d_mask_in->sizes() == at::IntArrayRef{Nd, Ld}),
               "maxsim: head_forward: d_mask must be bool [Nd, Ld]");
   const int64_t rows = Nd * Ld;
-  TORCH_CHECK(rows + head::kHeadBM < ((int64_t)1 << 31), "maxsim: head_forward: Nd * Ld must be below 2^31");
+  TORCH_CHECK(rows + 256 < ((int64_t)1 << 31), "maxsim: head_forward: Nd * Ld must be below 2^31");
 
   const c10::cuda::CUDAGuard guard(q_in.device());
   const auto* prop = at::cuda::getCurrentDeviceProperties();
@@ -109,25 +119,31 @@ at::Tensor head_forward_cuda(const at::Tensor& q_in, const at::Tensor& h_in, con
   p.d_mask = dm.defined() ? reinterpret_cast<const unsigned char*>(dm.data_ptr<bool>()) : nullptr;
   p.maxbuf = reinterpret_cast<uint32_t*>(maxbuf.data_ptr<int>());
   p.T = rows;
-  p.ntiles = (rows + head::kHeadBM - 1) / head::kHeadBM;
   p.Ld = (int)Ld;
   p.nqv = nqv;
   p.nkb = (int)(d_model / 64);
   p.normalize = normalize ? 1 : 0;
 
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const unsigned grid = (unsigned)std::min<int64_t>(p.ntiles, std::max(1, prop->multiProcessorCount));
   dispatch_float_type(dt, [&](auto tv) {
     using T = decltype(tv);
     if constexpr (kIs16Bit<T>) {
-      TORCH_CHECK(head_kernel_ready<T>(), "maxsim: head_forward: this build lacks the sm_90a kernel");
-      // H streams once (no L2 promotion beyond the default); W is re-read by
-      // every tile and stays in L2.
-      const CUtensorMap hmap = head_map<T>(h.data_ptr(), rows, d_model, head::kHeadBM, CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
-      const CUtensorMap wmap = head_map<T>(w.data_ptr(), d_out, d_model, head::kHeadDout,
-                                           CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
-      launch_pdl(head::head_fused_kernel<T>, dim3(grid), dim3(head::kHeadThreads), (size_t)head::kHeadSmem, stream,
-                 hmap, wmap, p);
+      const auto go = [&](auto mt) {
+        constexpr int MT = decltype(mt)::value;
+        constexpr int BM = head::HeadCfg<MT>::BM;
+        TORCH_CHECK((head_kernel_ready<T, MT>()), "maxsim: head_forward: this build lacks the sm_90a kernel");
+        p.ntiles = (rows + BM - 1) / BM;
+        const unsigned grid = (unsigned)std::min<int64_t>(p.ntiles, std::max(1, prop->multiProcessorCount));
+        const CUtensorMap hmap = head_map<T>(h.data_ptr(), rows, d_model, BM, CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
+        const CUtensorMap wmap =
+            head_map<T>(w.data_ptr(), d_out, d_model, head::kHeadDout, CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
+        launch_pdl(head::head_fused_kernel<T, MT>, dim3(grid), dim3(head::kHeadThreads),
+                   (size_t)head::HeadCfg<MT>::SMEM, stream, hmap, wmap, p);
+      };
+      if (head_rows_per_tile() == 128)
+        go(std::integral_constant<int, 1>{});
+      else
+        go(std::integral_constant<int, 2>{});
     }
   });
   const int64_t n = Nq * Nd;

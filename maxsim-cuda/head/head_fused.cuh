@@ -7,17 +7,22 @@
 // documents to global memory. Scope: fp16 / bf16, d_out == 128, d_model a
 // multiple of 64, Nq * Lq <= 64 query tokens in all (one wgmma N of 64).
 //
-// Persistent kernel, one CTA per SM (384 threads), each CTA walking 128-row
-// tiles of the flat hidden rows [Nd * Ld, d_model] with a stride of gridDim.x:
+// Persistent kernel, one CTA per SM (384 threads), each CTA walking tiles of
+// BM = 128 MT rows (MT = 2 by default, 1 with MAXSIM_HEAD_BM=128) of the flat
+// hidden rows [Nd * Ld, d_model] with a stride of gridDim.x:
 //   * warp 8 (producer, one lane): per 64-column k block of a tile, one TMA of
-//     the H tile [128 rows x 128 B] and one of the W tile [128 (d_out) rows x
+//     the H tile [BM rows x 128 B] and one of the W tile [128 (d_out) rows x
 //     128 B] (both 128B-swizzled, K-major; rows past Nd * Ld zero-filled) into
-//     a kHeadStages-deep ring guarded by full / empty mbarriers. W is read
+//     a HeadCfg::STAGES-deep ring guarded by full / empty mbarriers. W is read
 //     again (from L2) for every tile: at 192 KB (d_model 768) it cannot stay
-//     resident beside the ring.
-//   * warpgroups 0 and 1 (consumers): each owns 64 of the tile's 128 rows.
-//     1. projection: a chain of d_model / 16 wgmma m64n128k16 (A = H rows,
-//        B = W, both from shared memory) into D [64 x 128] fp32 registers;
+//     resident beside the ring; a tile of 256 rows reads it once per 256 rows
+//     of H instead of once per 128.
+//   * warpgroups 0 and 1 (consumers): each owns MT of the tile's 64-row
+//     blocks (2 m + wg, m < MT).
+//     1. projection: per block a chain of d_model / 16 wgmma m64n128k16 (A =
+//        H rows, B = W, both from shared memory) into D [64 x 128] fp32
+//        registers (the chains of a k block are one commit group);
+//     then, block by block:
 //     2. epilogue in registers: + bias, the row's sum of squares (a quad's 4
 //        lanes hold one row: two shuffles), times 1 / max(|x|, 1e-12), rounded
 //        to T and repacked as wgmma A fragments (the m64nNk16 accumulator
@@ -51,16 +56,24 @@ using cuda_fwd::max_nan;
 using cuda_fwd::neg_inf;
 
 constexpr int kHeadThreads = 384;  // 2 consumer warpgroups + the producer's warpgroup
-constexpr int kHeadBM = 128;       // hidden rows per tile
 constexpr int kHeadDout = 128;     // projected width (wgmma N of the projection)
 constexpr int kHeadNQ = 64;        // query tokens per CTA (wgmma N of the scores)
-constexpr int kHeadStages = 5;     // k blocks in flight
 constexpr int kHeadSStride = 72;   // floats per row of the S^T tile (64 + 8: fewer bank conflicts)
-constexpr int kHeadTileBytes = kHeadBM * 128;                     // one operand's k block
-constexpr int kHeadStageBytes = 2 * kHeadTileBytes;               // H + W
-constexpr int kHeadQBytes = 2 * kHeadNQ * 128;                    // query tokens, 2 k blocks
-constexpr int kHeadSBytes = 2 * 64 * kHeadSStride * 4;            // S^T of both warpgroups
-constexpr int kHeadSmem = kHeadStages * kHeadStageBytes + kHeadQBytes + kHeadSBytes + 1024;  // + alignment
+constexpr int kHeadQBytes = 2 * kHeadNQ * 128;          // query tokens, 2 k blocks
+constexpr int kHeadSBytes = 2 * 64 * kHeadSStride * 4;  // S^T of both warpgroups (64 rows each)
+
+// MT: 64-row blocks per consumer warpgroup and tile (tiles of BM = 128 MT
+// hidden rows). Each tile reads all of W again (from L2), so MT = 2 halves
+// that traffic (W is as many bytes as 128 rows of H) at the cost of a
+// second accumulator tile per thread and a shallower ring.
+template <int MT>
+struct HeadCfg {
+  static constexpr int BM = 128 * MT;
+  static constexpr int H_BYTES = BM * 128;               // H k block [BM rows x 128 B]
+  static constexpr int STAGE_BYTES = H_BYTES + kHeadDout * 128;  // + W k block [128 rows x 128 B]
+  static constexpr int STAGES = MT == 1 ? 5 : 3;         // k blocks in flight
+  static constexpr int SMEM = STAGES * STAGE_BYTES + kHeadQBytes + kHeadSBytes + 1024;  // + alignment
+};
 
 // The running maxima as unsigned integers of the same order as the floats:
 // NaN above everything, -inf (no valid token yet) the initial value.
@@ -80,7 +93,7 @@ struct HeadParams {
   const unsigned char* d_mask;  // [T] (flat [Nd, Ld]) or null
   uint32_t* maxbuf;             // [Nd, nqv] encoded running maxima
   int64_t T;                    // hidden rows, Nd * Ld
-  int64_t ntiles;               // ceil(T / 128)
+  int64_t ntiles;               // ceil(T / BM)
   int Ld;                       // tokens per document (>= 1)
   int nqv;                      // query tokens, Nq * Lq (1 .. 64)
   int nkb;                      // 64-column k blocks of d_model
@@ -100,7 +113,128 @@ __device__ __forceinline__ uint32_t head_pack<__half>(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// Steps 2-4 for one 64-row block of a consumer warpgroup: acc holds its
+// projected rows (acc[4 j + 2 h + e]: row 16 wq + g8 + 8 h of the block,
+// column 8 j + 2 c4 + e), t0 its first hidden row.
 template <typename T>
+__device__ __forceinline__ void head_block(const HeadParams& p, float* acc, int64_t t0, const float* bias_s,
+                                           uint32_t q_s, float* s_t, int wg, int wq, int g8, int c4, int tw) {
+#if MAXSIM_WG_DEVICE
+  using cuda_fwd::named_bar;
+  using cuda_fwd::wg_commit;
+  using cuda_fwd::wg_desc;
+  using cuda_fwd::wg_fence;
+  using cuda_fwd::wg_fence_acc;
+  using cuda_fwd::wg_wait;
+  // Validity of this thread's two rows (loads issued before the epilogue).
+  bool row_ok[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t t = t0 + wq * 16 + g8 + 8 * h;
+    row_ok[h] = t < p.T && (p.d_mask == nullptr || p.d_mask[t]);
+  }
+
+  // 2. epilogue: bias, normalisation, rounding, A fragments.
+#pragma unroll
+  for (int j = 0; j < 16; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float bv = bias_s[8 * j + 2 * c4 + e];
+      acc[4 * j + e] += bv;
+      acc[4 * j + 2 + e] += bv;
+    }
+  if (p.normalize) {
+    float ss[2] = {0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) ss[h] = fmaf(acc[4 * j + 2 * h + e], acc[4 * j + 2 * h + e], ss[h]);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      ss[h] += __shfl_xor_sync(0xffffffffu, ss[h], 1);
+      ss[h] += __shfl_xor_sync(0xffffffffu, ss[h], 2);
+      ss[h] = 1.f / fmaxf(sqrtf(ss[h]), 1e-12f);
+    }
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) acc[4 * j + 2 * h + e] *= ss[h];
+  }
+  uint32_t a[8][4];
+#pragma unroll
+  for (int ks = 0; ks < 8; ++ks)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) a[ks][r] = head_pack<T>(acc[8 * ks + 2 * r], acc[8 * ks + 2 * r + 1]);
+
+  // 3. scores: S^T = D x Q^T (8 k steps over d_out).
+  float sacc[32];
+  wg_fence_acc<32>(sacc);
+  wg_fence();
+#pragma unroll
+  for (int ks = 0; ks < 8; ++ks)
+    cuda_fwd::WgMma<T>::n64(sacc, a[ks], wg_desc(q_s + (uint32_t)((ks >> 2) * kHeadNQ * 128 + (ks & 3) * 32)), ks);
+  wg_commit();
+  wg_wait<0>();
+  wg_fence_acc<32>(sacc);
+
+  // 4. per-document maxima of the block's 64 rows. Rows past the hidden rows
+  // or masked out become -inf in registers, so the reduction reads no mask.
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+    if (!row_ok[h])
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        sacc[4 * j + 2 * h] = neg_inf();
+        sacc[4 * j + 2 * h + 1] = neg_inf();
+      }
+  named_bar(1 + wg, 128);  // the previous block's reduction has read s_t
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = wq * 16 + g8 + 8 * h;
+      *reinterpret_cast<float2*>(s_t + r * kHeadSStride + 8 * j + 2 * c4) =
+          make_float2(sacc[4 * j + 2 * h], sacc[4 * j + 2 * h + 1]);
+    }
+  named_bar(1 + wg, 128);
+  if (t0 >= p.T) return;  // warpgroup-uniform
+  // Items: (document segment of the 64 rows, query token, row part). A
+  // segment's rows split into `parts` ranges when there are fewer (segment,
+  // token) pairs than threads (long documents): each part merges on its own.
+  const int nv = p.T - t0 < 64 ? (int)(p.T - t0) : 64;
+  const int64_t n_first = t0 / p.Ld;
+  const int nseg = (int)((t0 + nv - 1) / p.Ld - n_first) + 1;
+  const int pairs = nseg * p.nqv;
+  const int parts = pairs >= 64 ? 1 : pairs >= 32 ? 2 : pairs >= 16 ? 4 : 8;
+  const int items = pairs * parts;
+  for (int it = tw; it < items; it += 128) {
+    const int pair = it / parts, part = it - pair * parts;
+    const int seg = pair / p.nqv, col = pair - seg * p.nqv;
+    const int64_t n = n_first + seg;
+    const int64_t lo = n * p.Ld - t0, hi = lo + p.Ld;
+    const int r0 = lo > 0 ? (int)lo : 0;
+    const int r1 = hi < nv ? (int)hi : nv;
+    const int per = (r1 - r0 + parts - 1) / parts;
+    const int q0 = r0 + part * per;
+    const int q1 = q0 + per < r1 ? q0 + per : r1;
+    float m[4] = {neg_inf(), neg_inf(), neg_inf(), neg_inf()};
+    const float* sc = s_t + col;
+    int r = q0;
+    for (; r + 4 <= q1; r += 4)
+#pragma unroll
+      for (int u = 0; u < 4; ++u) m[u] = max_nan(m[u], sc[(r + u) * kHeadSStride]);
+    for (; r < q1; ++r) m[0] = max_nan(m[0], sc[r * kHeadSStride]);
+    const float mx = max_nan(max_nan(m[0], m[1]), max_nan(m[2], m[3]));
+    if (mx != neg_inf()) atomicMax(p.maxbuf + n * p.nqv + col, head_key(mx));
+  }
+#endif  // MAXSIM_WG_DEVICE
+}
+
+template <typename T, int MT>
 __global__ void __launch_bounds__(kHeadThreads, 1)
     head_fused_kernel(const __grid_constant__ CUtensorMap hmap, const __grid_constant__ CUtensorMap wmap,
                       const HeadParams p) {
@@ -109,14 +243,14 @@ __global__ void __launch_bounds__(kHeadThreads, 1)
   using cuda_fwd::mbar_expect_tx;
   using cuda_fwd::mbar_init;
   using cuda_fwd::mbar_wait;
-  using cuda_fwd::named_bar;
   using cuda_fwd::tma_load_2d;
   using cuda_fwd::wg_commit;
   using cuda_fwd::wg_desc;
   using cuda_fwd::wg_fence;
   using cuda_fwd::wg_fence_acc;
   using cuda_fwd::wg_wait;
-  constexpr int ST = kHeadStages;
+  using C = HeadCfg<MT>;
+  constexpr int ST = C::STAGES, BM = C::BM;
 
   // Static shared memory (its presence tells the host the sm_90a body is in
   // the build): barriers, bias.
@@ -126,8 +260,8 @@ __global__ void __launch_bounds__(kHeadThreads, 1)
   const uint32_t base = (cuda_fwd::smem_u32(head_smem) + 1023u) & ~1023u;
   unsigned char* const base_ptr = head_smem + (base - cuda_fwd::smem_u32(head_smem));
   const uint32_t ring = base;
-  const uint32_t q_s = ring + ST * kHeadStageBytes;
-  float* const s_all = reinterpret_cast<float*>(base_ptr + ST * kHeadStageBytes + kHeadQBytes);
+  const uint32_t q_s = ring + ST * C::STAGE_BYTES;
+  float* const s_all = reinterpret_cast<float*>(base_ptr + ST * C::STAGE_BYTES + kHeadQBytes);
   const uint32_t bar_full = cuda_fwd::smem_u32(bars);
   const uint32_t bar_empty = bar_full + 8u * ST;
 
@@ -147,7 +281,7 @@ __global__ void __launch_bounds__(kHeadThreads, 1)
       const int r = x >> 4, j = x & 15;
       uint4 v = make_uint4(0u, 0u, 0u, 0u);
       if (r < p.nqv) v = q[(int64_t)r * 16 + j];
-      *reinterpret_cast<uint4*>(base_ptr + ST * kHeadStageBytes + (j >> 3) * kHeadNQ * 128 + r * 128 +
+      *reinterpret_cast<uint4*>(base_ptr + ST * C::STAGE_BYTES + (j >> 3) * kHeadNQ * 128 + r * 128 +
                                 (((j & 7) ^ (r & 7)) << 4)) = v;
     }
     if (tid < kHeadDout)
@@ -162,156 +296,54 @@ __global__ void __launch_bounds__(kHeadThreads, 1)
     // ---- producer ----------------------------------------------------------
     uint32_t g = 0;
     for (int64_t tile = blockIdx.x; tile < p.ntiles; tile += gridDim.x) {
-      const int y = (int)(tile * kHeadBM);
+      const int y = (int)(tile * BM);
       for (int kb = 0; kb < p.nkb; ++kb, ++g) {
         const int s = (int)(g % ST);
         mbar_wait(bar_empty + 8u * s, ((g / ST) & 1u) ^ 1u);
-        const uint32_t dst = ring + (uint32_t)(s * kHeadStageBytes);
-        mbar_expect_tx(bar_full + 8u * s, (uint32_t)kHeadStageBytes);
+        const uint32_t dst = ring + (uint32_t)(s * C::STAGE_BYTES);
+        mbar_expect_tx(bar_full + 8u * s, (uint32_t)C::STAGE_BYTES);
         tma_load_2d(dst, &hmap, kb * 64, y, bar_full + 8u * s);
-        tma_load_2d(dst + kHeadTileBytes, &wmap, kb * 64, 0, bar_full + 8u * s);
+        tma_load_2d(dst + C::H_BYTES, &wmap, kb * 64, 0, bar_full + 8u * s);
       }
     }
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
   // ---- consumers -------------------------------------------------------------
+  // Warpgroup wg owns the 64-row blocks 2 m + wg (m < MT) of each tile.
   const int wg = warp >> 2, wq = warp & 3, tw = tid & 127;
   const int g8 = lane >> 2, c4 = lane & 3;
   float* const s_t = s_all + wg * 64 * kHeadSStride;  // this warpgroup's S^T [64 rows][kHeadSStride]
-  float acc[64], sacc[32];
+  float acc[MT][64];
   uint32_t g = 0;
   for (int64_t tile = blockIdx.x; tile < p.ntiles; tile += gridDim.x) {
-    // 1. projection: D = H rows x W^T over d_model.
+    // 1. projection: D = H rows x W^T over d_model, one chain per block.
     for (int kb = 0; kb < p.nkb; ++kb, ++g) {
       const int s = (int)(g % ST);
       mbar_wait(bar_full + 8u * s, (g / ST) & 1u);
-      const uint32_t hs = ring + (uint32_t)(s * kHeadStageBytes) + (uint32_t)(wg * 64 * 128);
-      const uint32_t ws = ring + (uint32_t)(s * kHeadStageBytes + kHeadTileBytes);
-      wg_fence_acc<64>(acc);
+      const uint32_t st = ring + (uint32_t)(s * C::STAGE_BYTES);
+#pragma unroll
+      for (int m = 0; m < MT; ++m) wg_fence_acc<64>(acc[m]);
       wg_fence();
 #pragma unroll
-      for (int k = 0; k < 4; ++k)
-        cuda_fwd::WgMmaSs<T, 128>::run(acc, wg_desc(hs + 32u * k), wg_desc(ws + 32u * k), (kb | k) != 0);
+      for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+          cuda_fwd::WgMmaSs<T, 128>::run(acc[m], wg_desc(st + (uint32_t)((2 * m + wg) * 64 * 128) + 32u * k),
+                                         wg_desc(st + (uint32_t)C::H_BYTES + 32u * k), (kb | k) != 0);
       wg_commit();
-      if (kb > 0) {  // the previous k block's chain has retired: free its stage
+      if (kb > 0) {  // the previous k block's chains have retired: free its stage
         wg_wait<1>();
         if (tw == 0) mbar_arrive(bar_empty + 8u * ((g - 1) % ST));
       }
     }
     wg_wait<0>();
-    wg_fence_acc<64>(acc);
+#pragma unroll
+    for (int m = 0; m < MT; ++m) wg_fence_acc<64>(acc[m]);
     if (tw == 0) mbar_arrive(bar_empty + 8u * ((g - 1) % ST));
-    // Validity of this thread's two rows (16 wq + g8 + 8 h of the warpgroup).
-    bool row_ok[2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int64_t t = tile * kHeadBM + wg * 64 + wq * 16 + g8 + 8 * h;
-      row_ok[h] = t < p.T && (p.d_mask == nullptr || p.d_mask[t]);
-    }
-
-    // 2. epilogue: bias, normalisation, rounding, A fragments.
-    // acc[4 j + 2 h + e]: row 16 wq + g8 + 8 h of the warpgroup, column 8 j + 2 c4 + e.
-#pragma unroll
-    for (int j = 0; j < 16; ++j)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float bv = bias_s[8 * j + 2 * c4 + e];
-        acc[4 * j + e] += bv;
-        acc[4 * j + 2 + e] += bv;
-      }
-    if (p.normalize) {
-      float ss[2] = {0.f, 0.f};
-#pragma unroll
-      for (int j = 0; j < 16; ++j)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) ss[h] = fmaf(acc[4 * j + 2 * h + e], acc[4 * j + 2 * h + e], ss[h]);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        ss[h] += __shfl_xor_sync(0xffffffffu, ss[h], 1);
-        ss[h] += __shfl_xor_sync(0xffffffffu, ss[h], 2);
-        ss[h] = 1.f / fmaxf(sqrtf(ss[h]), 1e-12f);
-      }
-#pragma unroll
-      for (int j = 0; j < 16; ++j)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) acc[4 * j + 2 * h + e] *= ss[h];
-    }
-    uint32_t a[8][4];
-#pragma unroll
-    for (int ks = 0; ks < 8; ++ks)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) a[ks][r] = head_pack<T>(acc[8 * ks + 2 * r], acc[8 * ks + 2 * r + 1]);
-
-    // 3. scores: S^T = D x Q^T (8 k steps over d_out).
-    wg_fence_acc<32>(sacc);
-    wg_fence();
-#pragma unroll
-    for (int ks = 0; ks < 8; ++ks)
-      cuda_fwd::WgMma<T>::n64(sacc, a[ks], wg_desc(q_s + (uint32_t)((ks >> 2) * kHeadNQ * 128 + (ks & 3) * 32)),
-                              ks);
-    wg_commit();
-    wg_wait<0>();
-    wg_fence_acc<32>(sacc);
-
-    // 4. per-document maxima of the warpgroup's 64 rows. Rows past the
-    // hidden rows or masked out become -inf in registers (their loads were
-    // issued before the epilogue), so the reduction below reads no mask.
-    const int64_t t0 = tile * kHeadBM + wg * 64;
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-      if (!row_ok[h])
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          sacc[4 * j + 2 * h] = neg_inf();
-          sacc[4 * j + 2 * h + 1] = neg_inf();
-        }
-    named_bar(1 + wg, 128);  // the previous tile's reduction has read s_t
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = wq * 16 + g8 + 8 * h;
-        *reinterpret_cast<float2*>(s_t + r * kHeadSStride + 8 * j + 2 * c4) =
-            make_float2(sacc[4 * j + 2 * h], sacc[4 * j + 2 * h + 1]);
-      }
-    named_bar(1 + wg, 128);
-    if (t0 < p.T) {
-      // Items: (document segment of the 64 rows, query token, row part). A
-      // segment's rows split into `parts` ranges when there are fewer
-      // (segment, token) pairs than threads (long documents): each part
-      // merges on its own.
-      const int nv = p.T - t0 < 64 ? (int)(p.T - t0) : 64;
-      const int64_t n_first = t0 / p.Ld;
-      const int nseg = (int)((t0 + nv - 1) / p.Ld - n_first) + 1;
-      const int pairs = nseg * p.nqv;
-      const int parts = pairs >= 64 ? 1 : pairs >= 32 ? 2 : pairs >= 16 ? 4 : 8;
-      const int items = pairs * parts;
-      for (int it = tw; it < items; it += 128) {
-        const int pair = it / parts, part = it - pair * parts;
-        const int seg = pair / p.nqv, col = pair - seg * p.nqv;
-        const int64_t n = n_first + seg;
-        const int64_t lo = n * p.Ld - t0, hi = lo + p.Ld;
-        const int r0 = lo > 0 ? (int)lo : 0;
-        const int r1 = hi < nv ? (int)hi : nv;
-        const int per = (r1 - r0 + parts - 1) / parts;
-        const int q0 = r0 + part * per;
-        const int q1 = q0 + per < r1 ? q0 + per : r1;
-        float m[4] = {neg_inf(), neg_inf(), neg_inf(), neg_inf()};
-        const float* sc = s_t + col;
-        int r = q0;
-        for (; r + 4 <= q1; r += 4)
-#pragma unroll
-          for (int u = 0; u < 4; ++u) m[u] = max_nan(m[u], sc[(r + u) * kHeadSStride]);
-        for (; r < q1; ++r) m[0] = max_nan(m[0], sc[r * kHeadSStride]);
-        const float mx = max_nan(max_nan(m[0], m[1]), max_nan(m[2], m[3]));
-        if (mx != neg_inf()) atomicMax(p.maxbuf + n * p.nqv + col, head_key(mx));
-      }
-    }
+    for (int m = 0; m < MT; ++m)
+      head_block<T>(p, acc[m], tile * BM + (2 * m + wg) * 64, bias_s, q_s, s_t, wg, wq, g8, c4, tw);
   }
 #endif  // MAXSIM_WG_DEVICE
 }
