@@ -17,6 +17,7 @@ writing the projected documents to memory.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -64,8 +65,9 @@ register_fallbacks(((HEAD_FORWARD, _reference_head_forward),))
 _FUSED_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _sm90(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device) == (9, 0)
+@functools.lru_cache(maxsize=None)
+def _sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
 
 
 def _fused_ok(Q3: Tensor, H: Tensor, W: Tensor, b: Optional[Tensor], q_mask, d_mask) -> bool:
@@ -88,7 +90,7 @@ def _fused_ok(Q3: Tensor, H: Tensor, W: Tensor, b: Optional[Tensor], q_mask, d_m
     for m, shape in ((q_mask, (Nq, Lq)), (d_mask, (Nd, Ld))):
         if m is not None and (m.dtype != torch.bool or tuple(m.shape) != shape or m.device != Q3.device):
             return False
-    return _sm90(Q3.device)
+    return _sm90(Q3.device.index if Q3.device.index is not None else torch.cuda.current_device())
 
 
 def maxsim_from_hidden(Q: Tensor, H: Tensor, W: Tensor, b: Optional[Tensor] = None,
