@@ -132,11 +132,18 @@ def _fused_inputs(Nq, Lq, Nd, Ld, dm, dtype, bias, seed):
     return (Q.to(dtype), H.to(dtype), W.to(dtype), None if b is None else b.to(dtype)), q_mask, d_mask
 
 
-# (Nq, Lq, Nd, Ld, d_model): Nq * Lq of 1, 32 and 64; odd document lengths
-# (tiles of 128 rows end inside documents; Ld 300 spans three tiles); Nd not
-# a multiple of anything.
+# (Nq, Lq, Nd, Ld, d_model): Nq * Lq of 1, 32 and 64 (one query chunk);
+# odd document lengths (tiles of 128 rows end inside documents; Ld 300 spans
+# three tiles); Nd not a multiple of anything. Then several chunks of 64
+# query tokens: 65 and 100 (a partial last chunk), 128 (two full ones), 129
+# (three: streamed through the two chunk slots of 256-row tiles, resident in
+# the three of 128-row tiles), 1024 (streamed; few tiles: the chunks split
+# over several CTAs per tile; 32 x 180 the short-document case; 61 x 300
+# enough tiles that each CTA takes all the chunks of its tiles).
 FUSED_SHAPES = [(1, 1, 7, 1, 64), (1, 32, 13, 15, 768), (2, 16, 11, 17, 64), (4, 16, 9, 33, 768),
-                (1, 32, 37, 300, 768), (2, 32, 5, 300, 64), (8, 8, 3, 129, 128)]
+                (1, 32, 37, 300, 768), (2, 32, 5, 300, 64), (8, 8, 3, 129, 128),
+                (5, 13, 9, 47, 768), (4, 25, 6, 300, 128), (2, 64, 13, 15, 64), (3, 43, 11, 71, 768),
+                (32, 32, 7, 45, 768), (32, 32, 32, 180, 768), (16, 64, 61, 300, 128)]
 
 
 @needs_sm90
@@ -171,10 +178,14 @@ def test_fused_head_forward(ms, monkeypatch, dtype, bias, normalize, shape, rows
 
 
 @needs_sm90
-def test_fused_head_forward_nan_and_empty(ms):
+@pytest.mark.parametrize("nq_lq", [(2, 8), (5, 40)], ids=["16", "200"])  # one query chunk, four (streamed)
+@pytest.mark.parametrize("rows_per_tile", ["256", "128"])
+def test_fused_head_forward_nan_and_empty(ms, monkeypatch, nq_lq, rows_per_tile):
     """NaN in a valid token reaches its document's score (masked, it does
     not); no documents, and no query tokens, give empty / zero scores."""
-    (Q, H, W, b), q_mask, _ = _fused_inputs(2, 8, 6, 40, 128, torch.bfloat16, True, seed=3)
+    monkeypatch.setenv("MAXSIM_HEAD_BM", rows_per_tile)
+    Nq, Lq = nq_lq
+    (Q, H, W, b), q_mask, _ = _fused_inputs(Nq, Lq, 6, 40, 128, torch.bfloat16, True, seed=3)
     d_mask = torch.ones(6, 40, dtype=torch.bool, device="cuda")
     H = H.clone()
     H[1, 39, 5] = float("nan")
@@ -182,19 +193,30 @@ def test_fused_head_forward_nan_and_empty(ms):
     d_mask[4, 7] = False
     out = ms.ops.head_forward(Q, H, W, b, q_mask, d_mask, True)
     nan = torch.isnan(out)
-    assert nan[:, 1].all() and nan.sum() == 2
+    assert nan[:, 1].all() and nan.sum() == Nq
     ref = ms.head.maxsim_from_hidden_reference(Q, H, W, b, d_mask, q_mask=q_mask)
     keep = [0, 2, 3, 4, 5]
     assert relerr(out[:, keep], ref[:, keep], floor=1.0) < FUSED_TOL[torch.bfloat16]
-    assert ms.ops.head_forward(Q, H[:0], W, b, None, None, True).shape == (2, 0)
-    assert torch.equal(ms.ops.head_forward(Q[:, :0], H, W, b, None, None, True), torch.zeros(2, 6, device="cuda"))
+    assert ms.ops.head_forward(Q, H[:0], W, b, None, None, True).shape == (Nq, 0)
+    assert torch.equal(ms.ops.head_forward(Q[:, :0], H, W, b, None, None, True), torch.zeros(Nq, 6, device="cuda"))
 
 
 @needs_sm90
-def test_fused_head_forward_cuda_graph(ms):
+def test_fused_head_forward_query_token_limit(ms):
+    """1024 query tokens in all are the kernel's scope; one more is refused
+    (maxsim_from_hidden routes such calls to the composition)."""
+    (Q, H, W, b), _, _ = _fused_inputs(41, 25, 3, 20, 64, torch.bfloat16, True, seed=11)
+    assert ms.ops.head_forward(Q[:, :24], H, W, b, None, None, True).shape == (41, 3)  # 984 tokens
+    with pytest.raises(RuntimeError, match="query tokens"):
+        ms.ops.head_forward(Q, H, W, b, None, None, True)  # 1025
+
+
+@needs_sm90
+@pytest.mark.parametrize("nq", [1, 32])  # 32 x 32 query tokens: streamed chunks
+def test_fused_head_forward_cuda_graph(ms, nq):
     from conftest import capture_cuda_graph
 
-    (Q, H, W, b), q_mask, d_mask = _fused_inputs(1, 32, 21, 50, 768, torch.bfloat16, True, seed=5)
+    (Q, H, W, b), q_mask, d_mask = _fused_inputs(nq, 32, 21, 50, 768, torch.bfloat16, True, seed=5)
     eager = ms.ops.head_forward(Q, H, W, b, q_mask, d_mask, True)
     graph, out = capture_cuda_graph(lambda: ms.ops.head_forward(Q, H, W, b, q_mask, d_mask, True))
     graph.replay()
@@ -207,7 +229,7 @@ def test_fused_head_forward_cuda_graph(ms):
 def test_from_hidden_outside_fused_scope(ms, device, dtype):
     """Inference calls outside the fused kernel's scope (d_out 96, too many
     query tokens, fp32) take the composition on every device."""
-    for Nq, Lq, do in ((2, 9, 96), (3, 30, 128)):
+    for Nq, Lq, do in ((2, 9, 96), (33, 32, 128)):
         Q, H, W, b = (t.to(dtype) for t in _inputs(device, Nq, Lq, 5, 21, 64, do, True, seed=do))
         with torch.no_grad():
             out = ms.maxsim_from_hidden(Q, H, W, b)

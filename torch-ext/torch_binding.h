@@ -224,7 +224,7 @@ using PlaidBackwardFn = at::Tensor(const at::Tensor& grad, const at::Tensor& q, 
 // optional bool (true = real token); a query token with no valid document
 // token adds 0, NaN propagates. Forward only (no autograd). CUDA: the fused
 // sm_90a kernel (maxsim-cuda/head/head_fused.cu), for d_out == 128, d_model
-// a multiple of 64, Nq * Lq <= 64; the caller (head.py) routes every other
+// a multiple of 64, Nq * Lq <= 1024; the caller (head.py) routes every other
 // case to the composition.
 using HeadForwardFn = at::Tensor(const at::Tensor& q, const at::Tensor& h, const at::Tensor& w,
                                  const std::optional<at::Tensor>& b, const std::optional<at::Tensor>& q_mask,

@@ -65,6 +65,14 @@ int head_rows_per_tile() {
   return v != nullptr && std::strcmp(v, "128") == 0 ? 128 : 256;
 }
 
+// Items per tile (each scoring a range of the query chunks): with fewer
+// tiles than SMs, split the chunks so that the items fill the SMs once; each
+// item projects its tile again, so no split where the tiles alone fill them.
+int head_query_groups(int64_t ntiles, int nqc, int sms) {
+  if (ntiles >= sms) return 1;
+  return (int)std::max<int64_t>(1, std::min<int64_t>(nqc, sms / ntiles));
+}
+
 }  // namespace
 
 at::Tensor head_forward_cuda(const at::Tensor& q_in, const at::Tensor& h_in, const at::Tensor& w_in,
@@ -84,7 +92,8 @@ at::Tensor head_forward_cuda(const at::Tensor& q_in, const at::Tensor& h_in, con
   TORCH_CHECK(d_out == head::kHeadDout && q_in.size(2) == d_out, "maxsim: head_forward: d_out must be 128");
   TORCH_CHECK(h_in.size(2) == d_model && d_model > 0 && d_model % 64 == 0,
               "maxsim: head_forward: d_model must be a positive multiple of 64");
-  TORCH_CHECK(Nq * Lq <= head::kHeadNQ, "maxsim: head_forward: at most 64 query tokens (Nq * Lq)");
+  TORCH_CHECK(Nq * Lq <= head::kHeadMaxQ, "maxsim: head_forward: at most ", head::kHeadMaxQ,
+              " query tokens (Nq * Lq)");
   TORCH_CHECK(!b_in || (b_in->dim() == 1 && b_in->size(0) == d_out), "maxsim: head_forward: b must be [d_out]");
   TORCH_CHECK(!q_mask_in || (q_mask_in->scalar_type() == at::kBool && q_mask_in->sizes() == at::IntArrayRef{Nq, Lq}),
               "maxsim: head_forward: q_mask must be bool [Nq, Lq]");
@@ -99,9 +108,9 @@ at::Tensor head_forward_cuda(const at::Tensor& q_in, const at::Tensor& h_in, con
   if (Nq * Lq == 0 || rows == 0) return at::zeros({Nq, Nd}, q_in.options().dtype(at::kFloat));
   at::Tensor scores = at::empty({Nq, Nd}, q_in.options().dtype(at::kFloat));
 
-  // Operands: H and W through TMA (16-byte aligned base, rows of d_model
-  // elements); Q read with 16-byte loads. Copies only where a view is not
-  // contiguous / aligned (Q, W, b and the masks are small).
+  // Operands: H, W and Q through TMA (16-byte aligned base, rows of d_model
+  // or d_out elements). Copies only where a view is not contiguous / aligned
+  // (Q, W, b and the masks are small).
   const auto aligned = [](const at::Tensor& t) -> at::Tensor {
     if (t.is_contiguous() && aligned_to(t.data_ptr(), 16)) return t;
     return t.clone(at::MemoryFormat::Contiguous);
@@ -114,13 +123,13 @@ at::Tensor head_forward_cuda(const at::Tensor& q_in, const at::Tensor& h_in, con
   at::Tensor maxbuf = at::full({Nd, nqv}, (int64_t)head::kHeadNegInfKey, q_in.options().dtype(at::kInt));
 
   head::HeadParams p{};
-  p.q = q.data_ptr();
   p.bias = b.defined() ? b.data_ptr() : nullptr;
   p.d_mask = dm.defined() ? reinterpret_cast<const unsigned char*>(dm.data_ptr<bool>()) : nullptr;
   p.maxbuf = reinterpret_cast<uint32_t*>(maxbuf.data_ptr<int>());
   p.T = rows;
   p.Ld = (int)Ld;
   p.nqv = nqv;
+  p.nqc = (nqv + head::kHeadNQ - 1) / head::kHeadNQ;
   p.nkb = (int)(d_model / 64);
   p.normalize = normalize ? 1 : 0;
 
@@ -132,13 +141,20 @@ at::Tensor head_forward_cuda(const at::Tensor& q_in, const at::Tensor& h_in, con
         constexpr int MT = decltype(mt)::value;
         constexpr int BM = head::HeadCfg<MT>::BM;
         TORCH_CHECK((head_kernel_ready<T, MT>()), "maxsim: head_forward: this build lacks the sm_90a kernel");
-        p.ntiles = (rows + BM - 1) / BM;
-        const unsigned grid = (unsigned)std::min<int64_t>(p.ntiles, std::max(1, prop->multiProcessorCount));
+        const int sms = std::max(1, prop->multiProcessorCount);
+        const int64_t ntiles = (rows + BM - 1) / BM;
+        const int groups = head_query_groups(ntiles, p.nqc, sms);
+        p.qcpg = (p.nqc + groups - 1) / groups;
+        p.qgroups = (p.nqc + p.qcpg - 1) / p.qcpg;  // none empty
+        p.nwork = ntiles * p.qgroups;
+        const unsigned grid = (unsigned)std::min<int64_t>(p.nwork, sms);
         const CUtensorMap hmap = head_map<T>(h.data_ptr(), rows, d_model, BM, CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
         const CUtensorMap wmap =
             head_map<T>(w.data_ptr(), d_out, d_model, head::kHeadDout, CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
+        const CUtensorMap qmap =
+            head_map<T>(q.data_ptr(), nqv, d_out, head::kHeadNQ, CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
         launch_pdl(head::head_fused_kernel<T, MT>, dim3(grid), dim3(head::kHeadThreads),
-                   (size_t)head::HeadCfg<MT>::SMEM, stream, hmap, wmap, p);
+                   (size_t)head::HeadCfg<MT>::SMEM, stream, hmap, wmap, qmap, p);
       };
       if (head_rows_per_tile() == 128)
         go(std::integral_constant<int, 1>{});

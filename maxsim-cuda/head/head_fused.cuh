@@ -5,37 +5,49 @@
 // with the projected token rounded to the 16-bit dtype before the dot
 // product and fp32 accumulation everywhere, without writing the projected
 // documents to global memory. Scope: fp16 / bf16, d_out == 128, d_model a
-// multiple of 64, Nq * Lq <= 64 query tokens in all (one wgmma N of 64).
+// multiple of 64, Nq * Lq <= kHeadMaxQ query tokens in all, scored in chunks
+// of 64 (one wgmma N).
 //
-// Persistent kernel, one CTA per SM (384 threads), each CTA walking tiles of
-// BM = 128 MT rows (MT = 2 by default, 1 with MAXSIM_HEAD_BM=128) of the flat
-// hidden rows [Nd * Ld, d_model] with a stride of gridDim.x:
+// Persistent kernel, one CTA per SM (384 threads), each CTA walking work
+// items with a stride of gridDim.x. An item is a tile of BM = 128 MT rows
+// (MT = 2 by default, 1 with MAXSIM_HEAD_BM=128) of the flat hidden rows
+// [Nd * Ld, d_model] and a group of consecutive query chunks: with fewer
+// tiles than SMs (few, short documents against many query tokens) a tile's
+// chunks split over up to `qgroups` items on as many CTAs, each projecting
+// the tile again (the tile is read from L2 then) -- otherwise most SMs idle.
 //   * warp 8 (producer, one lane): per 64-column k block of a tile, one TMA of
 //     the H tile [BM rows x 128 B] and one of the W tile [128 (d_out) rows x
 //     128 B] (both 128B-swizzled, K-major; rows past Nd * Ld zero-filled) into
 //     a HeadCfg::STAGES-deep ring guarded by full / empty mbarriers. W is read
 //     again (from L2) for every tile: at 192 KB (d_model 768) it cannot stay
 //     resident beside the ring; a tile of 256 rows reads it once per 256 rows
-//     of H instead of once per 128.
+//     of H instead of once per 128. The query chunks [64 tokens x 128] (two
+//     TMAs of [64 x 128 B], rows past Nq * Lq zero-filled) are loaded once
+//     when they all fit the HeadCfg::QS chunk slots (resident), else streamed
+//     through those slots, per item after its H / W k blocks, behind their
+//     own full / empty mbarriers.
 //   * warpgroups 0 and 1 (consumers): each owns MT of the tile's 64-row
 //     blocks (2 m + wg, m < MT).
 //     1. projection: per block a chain of d_model / 16 wgmma m64n128k16 (A =
 //        H rows, B = W, both from shared memory) into D [64 x 128] fp32
 //        registers (the chains of a k block are one commit group);
-//     then, block by block:
-//     2. epilogue in registers: + bias, the row's sum of squares (a quad's 4
-//        lanes hold one row: two shuffles), times 1 / max(|x|, 1e-12), rounded
-//        to T and repacked as wgmma A fragments (the m64nNk16 accumulator
-//        layout of 16-bit values is the A-register layout);
-//     3. scores: S^T [64 tokens x 64 query tokens] = D (A, registers) x Q^T
-//        (B: the query tokens [64 rows x 128], loaded once per CTA, rows past
-//        Nq * Lq zero), 8 wgmma m64n64k16;
+//     2. epilogue in registers, per block: + bias, the row's sum of squares
+//        (a quad's 4 lanes hold one row: two shuffles), times
+//        1 / max(|x|, 1e-12), rounded to T and repacked as wgmma A fragments
+//        (the m64nNk16 accumulator layout of 16-bit values is the A-register
+//        layout) into the first half of the block's accumulator registers;
+//     then, per query chunk of the item:
+//     3. scores: per block S^T [64 tokens x 64 query tokens] = D (A,
+//        registers) x Qc^T (B: the chunk in shared memory), 8 wgmma
+//        m64n64k16, one commit group per block (block 1's group runs while
+//        block 0 is reduced);
 //     4. S^T (rows past Nd * Ld or masked out: -inf) goes to a per-warpgroup
 //        shared tile; the warpgroup's threads take (document segment of the 64
 //        rows, query token[, part of the segment's rows]) items, reduce them
 //        with a NaN-propagating max and merge each into the running maxima
 //        maxbuf [Nd, Nq * Lq] with an atomic max on an order-preserving
-//        integer encoding (documents straddle tiles and CTAs).
+//        integer encoding (documents straddle tiles and CTAs, query chunks
+//        straddle items).
 // head_finalize_kernel then sums each query's valid tokens' maxima (-inf,
 // i.e. no valid document token, adds 0) into scores [Nq, Nd].
 #pragma once
@@ -57,22 +69,27 @@ using cuda_fwd::neg_inf;
 
 constexpr int kHeadThreads = 384;  // 2 consumer warpgroups + the producer's warpgroup
 constexpr int kHeadDout = 128;     // projected width (wgmma N of the projection)
-constexpr int kHeadNQ = 64;        // query tokens per CTA (wgmma N of the scores)
+constexpr int kHeadNQ = 64;        // query tokens per chunk (wgmma N of the scores)
+constexpr int kHeadMaxQ = 1024;    // query tokens in all (Nq * Lq): 16 chunks
 constexpr int kHeadSStride = 72;   // floats per row of the S^T tile (64 + 8: fewer bank conflicts)
-constexpr int kHeadQBytes = 2 * kHeadNQ * 128;          // query tokens, 2 k blocks
+constexpr int kHeadQBytes = 2 * kHeadNQ * 128;          // one query chunk, 2 k blocks [64 rows x 128 B]
 constexpr int kHeadSBytes = 2 * 64 * kHeadSStride * 4;  // S^T of both warpgroups (64 rows each)
 
 // MT: 64-row blocks per consumer warpgroup and tile (tiles of BM = 128 MT
 // hidden rows). Each tile reads all of W again (from L2), so MT = 2 halves
 // that traffic (W is as many bytes as 128 rows of H) at the cost of a
-// second accumulator tile per thread and a shallower ring.
+// second accumulator tile per thread and a shallower ring. QS query chunk
+// slots: at least two, so that the next chunk streams in while one is
+// scored; the rest of the 227 KB goes to the H / W ring.
 template <int MT>
 struct HeadCfg {
   static constexpr int BM = 128 * MT;
   static constexpr int H_BYTES = BM * 128;               // H k block [BM rows x 128 B]
   static constexpr int STAGE_BYTES = H_BYTES + kHeadDout * 128;  // + W k block [128 rows x 128 B]
-  static constexpr int STAGES = MT == 1 ? 5 : 3;         // k blocks in flight
-  static constexpr int SMEM = STAGES * STAGE_BYTES + kHeadQBytes + kHeadSBytes + 1024;  // + alignment
+  static constexpr int STAGES = MT == 1 ? 4 : 3;         // k blocks in flight
+  static constexpr int QS = MT == 1 ? 3 : 2;             // query chunk slots
+  static constexpr int SMEM = STAGES * STAGE_BYTES + QS * kHeadQBytes + kHeadSBytes + 1024;  // + alignment
+  static_assert(SMEM + 1024 <= 227 * 1024, "dynamic + static shared memory beyond a CTA's 227 KB");
 };
 
 // The running maxima as unsigned integers of the same order as the floats:
@@ -88,14 +105,16 @@ __device__ __forceinline__ float head_unkey(uint32_t k) {
 }
 
 struct HeadParams {
-  const void* q;                // [nqv, 128] query tokens (16-byte aligned)
   const void* bias;             // [128] or null
   const unsigned char* d_mask;  // [T] (flat [Nd, Ld]) or null
   uint32_t* maxbuf;             // [Nd, nqv] encoded running maxima
   int64_t T;                    // hidden rows, Nd * Ld
-  int64_t ntiles;               // ceil(T / BM)
+  int64_t nwork;                // work items, ceil(T / BM) * qgroups
   int Ld;                       // tokens per document (>= 1)
-  int nqv;                      // query tokens, Nq * Lq (1 .. 64)
+  int nqv;                      // query tokens, Nq * Lq (1 .. kHeadMaxQ)
+  int nqc;                      // query chunks, ceil(nqv / 64)
+  int qgroups;                  // items per tile: chunks [g * qcpg, (g + 1) * qcpg) of item g
+  int qcpg;                     // query chunks per item
   int nkb;                      // 64-column k blocks of d_model
   int normalize;
 };
@@ -113,28 +132,38 @@ __device__ __forceinline__ uint32_t head_pack<__half>(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
-// Steps 2-4 for one 64-row block of a consumer warpgroup: acc holds its
-// projected rows (acc[4 j + 2 h + e]: row 16 wq + g8 + 8 h of the block,
-// column 8 j + 2 c4 + e), t0 its first hidden row.
+// A 64-row block of a consumer warpgroup: its first hidden row, and the
+// documents its valid rows touch.
+struct HeadBlock {
+  int64_t t0;       // first hidden row
+  int64_t n_first;  // document of row t0
+  int off;          // t0's token index in that document
+  int nv;           // rows below T (0 .. 64)
+  int nseg;         // documents touched by those rows
+};
+
+__device__ __forceinline__ HeadBlock head_block_info(const HeadParams& p, int64_t t0) {
+  HeadBlock b;
+  b.t0 = t0;
+  b.nv = t0 >= p.T ? 0 : p.T - t0 < 64 ? (int)(p.T - t0) : 64;
+  b.n_first = t0 / p.Ld;
+  b.off = (int)(t0 - b.n_first * p.Ld);
+  b.nseg = b.nv > 0 ? (int)((t0 + b.nv - 1) / p.Ld - b.n_first) + 1 : 0;
+  return b;
+}
+
+// Step 2 for one 64-row block: acc holds its projected rows (acc[4 j + 2 h
+// + e]: row 16 wq + g8 + 8 h of the block, column 8 j + 2 c4 + e). On
+// return acc[4 ks + r] (ks < 8, r < 4) holds the bits of the A fragment
+// register r of k step ks; row_ok the validity of this thread's two rows.
 template <typename T>
-__device__ __forceinline__ void head_block(const HeadParams& p, float* acc, int64_t t0, const float* bias_s,
-                                           uint32_t q_s, float* s_t, int wg, int wq, int g8, int c4, int tw) {
-#if MAXSIM_WG_DEVICE
-  using cuda_fwd::named_bar;
-  using cuda_fwd::wg_commit;
-  using cuda_fwd::wg_desc;
-  using cuda_fwd::wg_fence;
-  using cuda_fwd::wg_fence_acc;
-  using cuda_fwd::wg_wait;
-  // Validity of this thread's two rows (loads issued before the epilogue).
-  bool row_ok[2];
+__device__ __forceinline__ void head_epilogue(const HeadParams& p, float* acc, int64_t t0, const float* bias_s,
+                                              int wq, int g8, int c4, bool* row_ok) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int64_t t = t0 + wq * 16 + g8 + 8 * h;
     row_ok[h] = t < p.T && (p.d_mask == nullptr || p.d_mask[t]);
   }
-
-  // 2. epilogue: bias, normalisation, rounding, A fragments.
 #pragma unroll
   for (int j = 0; j < 16; ++j)
 #pragma unroll
@@ -164,25 +193,20 @@ __device__ __forceinline__ void head_block(const HeadParams& p, float* acc, int6
 #pragma unroll
         for (int e = 0; e < 2; ++e) acc[4 * j + 2 * h + e] *= ss[h];
   }
-  uint32_t a[8][4];
+  // In place: register i is written after registers 2 i and 2 i + 1 are read.
 #pragma unroll
-  for (int ks = 0; ks < 8; ++ks)
-#pragma unroll
-    for (int r = 0; r < 4; ++r) a[ks][r] = head_pack<T>(acc[8 * ks + 2 * r], acc[8 * ks + 2 * r + 1]);
+  for (int i = 0; i < 32; ++i) acc[i] = __uint_as_float(head_pack<T>(acc[2 * i], acc[2 * i + 1]));
+}
 
-  // 3. scores: S^T = D x Q^T (8 k steps over d_out).
-  float sacc[32];
-  wg_fence_acc<32>(sacc);
-  wg_fence();
-#pragma unroll
-  for (int ks = 0; ks < 8; ++ks)
-    cuda_fwd::WgMma<T>::n64(sacc, a[ks], wg_desc(q_s + (uint32_t)((ks >> 2) * kHeadNQ * 128 + (ks & 3) * 32)), ks);
-  wg_commit();
-  wg_wait<0>();
-  wg_fence_acc<32>(sacc);
-
-  // 4. per-document maxima of the block's 64 rows. Rows past the hidden rows
-  // or masked out become -inf in registers, so the reduction reads no mask.
+// Step 4 for one block (nv > 0) and query chunk c: sacc holds S^T [64 rows
+// x 64 chunk tokens] (sacc[4 j + 2 h + e]: row 16 wq + g8 + 8 h, token
+// 8 j + 2 c4 + e).
+__device__ __forceinline__ void head_reduce(const HeadParams& p, const HeadBlock& b, float* sacc, const bool* row_ok,
+                                            int c, float* s_t, int wg, int wq, int g8, int c4, int tw) {
+#if MAXSIM_WG_DEVICE
+  using cuda_fwd::named_bar;
+  // Rows past the hidden rows or masked out become -inf in registers, so the
+  // reduction reads no mask.
 #pragma unroll
   for (int h = 0; h < 2; ++h)
     if (!row_ok[h])
@@ -191,7 +215,7 @@ __device__ __forceinline__ void head_block(const HeadParams& p, float* acc, int6
         sacc[4 * j + 2 * h] = neg_inf();
         sacc[4 * j + 2 * h + 1] = neg_inf();
       }
-  named_bar(1 + wg, 128);  // the previous block's reduction has read s_t
+  named_bar(1 + wg, 128);  // the previous reduction has read s_t
 #pragma unroll
   for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -201,23 +225,21 @@ __device__ __forceinline__ void head_block(const HeadParams& p, float* acc, int6
           make_float2(sacc[4 * j + 2 * h], sacc[4 * j + 2 * h + 1]);
     }
   named_bar(1 + wg, 128);
-  if (t0 >= p.T) return;  // warpgroup-uniform
-  // Items: (document segment of the 64 rows, query token, row part). A
-  // segment's rows split into `parts` ranges when there are fewer (segment,
-  // token) pairs than threads (long documents): each part merges on its own.
-  const int nv = p.T - t0 < 64 ? (int)(p.T - t0) : 64;
-  const int64_t n_first = t0 / p.Ld;
-  const int nseg = (int)((t0 + nv - 1) / p.Ld - n_first) + 1;
-  const int pairs = nseg * p.nqv;
-  const int parts = pairs >= 64 ? 1 : pairs >= 32 ? 2 : pairs >= 16 ? 4 : 8;
+  // Items: (row part, document segment of the 64 rows, chunk token), the
+  // token fastest (neighbouring threads read neighbouring words). A
+  // segment's rows split into `parts` ranges when there are at most 64
+  // (segment, token) pairs (long documents): each part merges on its own.
+  const int ncol = p.nqv - c * kHeadNQ < kHeadNQ ? p.nqv - c * kHeadNQ : kHeadNQ;
+  const int pairs = b.nseg * ncol;
+  const int parts = pairs > 64 ? 1 : pairs > 32 ? 2 : pairs > 16 ? 4 : 8;
   const int items = pairs * parts;
+  uint32_t* const mb = p.maxbuf + b.n_first * p.nqv + c * kHeadNQ;
   for (int it = tw; it < items; it += 128) {
-    const int pair = it / parts, part = it - pair * parts;
-    const int seg = pair / p.nqv, col = pair - seg * p.nqv;
-    const int64_t n = n_first + seg;
-    const int64_t lo = n * p.Ld - t0, hi = lo + p.Ld;
+    const int part = it / pairs, pair = it - part * pairs;
+    const int seg = pair / ncol, col = pair - seg * ncol;
+    const int64_t lo = (int64_t)seg * p.Ld - b.off, hi = lo + p.Ld;
     const int r0 = lo > 0 ? (int)lo : 0;
-    const int r1 = hi < nv ? (int)hi : nv;
+    const int r1 = hi < b.nv ? (int)hi : b.nv;
     const int per = (r1 - r0 + parts - 1) / parts;
     const int q0 = r0 + part * per;
     const int q1 = q0 + per < r1 ? q0 + per : r1;
@@ -229,7 +251,7 @@ __device__ __forceinline__ void head_block(const HeadParams& p, float* acc, int6
       for (int u = 0; u < 4; ++u) m[u] = max_nan(m[u], sc[(r + u) * kHeadSStride]);
     for (; r < q1; ++r) m[0] = max_nan(m[0], sc[r * kHeadSStride]);
     const float mx = max_nan(max_nan(m[0], m[1]), max_nan(m[2], m[3]));
-    if (mx != neg_inf()) atomicMax(p.maxbuf + n * p.nqv + col, head_key(mx));
+    if (mx != neg_inf()) atomicMax(mb + (int64_t)seg * p.nqv + col, head_key(mx));
   }
 #endif  // MAXSIM_WG_DEVICE
 }
@@ -237,7 +259,7 @@ __device__ __forceinline__ void head_block(const HeadParams& p, float* acc, int6
 template <typename T, int MT>
 __global__ void __launch_bounds__(kHeadThreads, 1)
     head_fused_kernel(const __grid_constant__ CUtensorMap hmap, const __grid_constant__ CUtensorMap wmap,
-                      const HeadParams p) {
+                      const __grid_constant__ CUtensorMap qmap, const HeadParams p) {
 #if MAXSIM_WG_DEVICE
   using cuda_fwd::mbar_arrive;
   using cuda_fwd::mbar_expect_tx;
@@ -250,20 +272,25 @@ __global__ void __launch_bounds__(kHeadThreads, 1)
   using cuda_fwd::wg_fence_acc;
   using cuda_fwd::wg_wait;
   using C = HeadCfg<MT>;
-  constexpr int ST = C::STAGES, BM = C::BM;
+  constexpr int ST = C::STAGES, QS = C::QS, BM = C::BM;
+  static_assert(MT == 1 || MT == 2, "one or two 64-row blocks per consumer warpgroup");
 
   // Static shared memory (its presence tells the host the sm_90a body is in
   // the build): barriers, bias.
-  __shared__ __align__(8) uint64_t bars[2 * ST];
+  __shared__ __align__(8) uint64_t bars[2 * ST + 2 * QS];
   __shared__ float bias_s[kHeadDout];
   extern __shared__ __align__(1024) unsigned char head_smem[];
   const uint32_t base = (cuda_fwd::smem_u32(head_smem) + 1023u) & ~1023u;
   unsigned char* const base_ptr = head_smem + (base - cuda_fwd::smem_u32(head_smem));
   const uint32_t ring = base;
-  const uint32_t q_s = ring + ST * C::STAGE_BYTES;
-  float* const s_all = reinterpret_cast<float*>(base_ptr + ST * C::STAGE_BYTES + kHeadQBytes);
+  const uint32_t q_s = ring + ST * C::STAGE_BYTES;  // QS chunk slots
+  float* const s_all = reinterpret_cast<float*>(base_ptr + ST * C::STAGE_BYTES + QS * kHeadQBytes);
   const uint32_t bar_full = cuda_fwd::smem_u32(bars);
   const uint32_t bar_empty = bar_full + 8u * ST;
+  const uint32_t bar_qfull = bar_empty + 8u * ST;
+  const uint32_t bar_qempty = bar_qfull + 8u * QS;
+  // All chunks fit their slots: chunk c stays in slot c, loaded once.
+  const bool resident = p.nqc <= QS;
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   if (tid == 0) {
@@ -271,31 +298,32 @@ __global__ void __launch_bounds__(kHeadThreads, 1)
       mbar_init(bar_full + 8u * s, 1);
       mbar_init(bar_empty + 8u * s, 2);  // one arrival per consumer warpgroup
     }
+    for (int s = 0; s < QS; ++s) {
+      mbar_init(bar_qfull + 8u * s, 1);
+      mbar_init(bar_qempty + 8u * s, 2);
+    }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   pdl_wait();  // before the first global access
-  // Query tokens -> [2 k blocks][64 rows][128 B], 128B swizzle (rows past nqv zero).
-  {
-    const uint4* q = reinterpret_cast<const uint4*>(p.q);
-    for (int x = tid; x < kHeadNQ * 16; x += kHeadThreads) {
-      const int r = x >> 4, j = x & 15;
-      uint4 v = make_uint4(0u, 0u, 0u, 0u);
-      if (r < p.nqv) v = q[(int64_t)r * 16 + j];
-      *reinterpret_cast<uint4*>(base_ptr + ST * C::STAGE_BYTES + (j >> 3) * kHeadNQ * 128 + r * 128 +
-                                (((j & 7) ^ (r & 7)) << 4)) = v;
-    }
-    if (tid < kHeadDout)
-      bias_s[tid] = p.bias != nullptr ? to_f<T>(reinterpret_cast<const T*>(p.bias)[tid]) : 0.f;
-  }
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic writes -> wgmma operand reads
+  if (tid < kHeadDout) bias_s[tid] = p.bias != nullptr ? to_f<T>(reinterpret_cast<const T*>(p.bias)[tid]) : 0.f;
   __syncthreads();
 
   if (warp >= 8) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
     if (warp != 8 || lane != 0) return;
     // ---- producer ----------------------------------------------------------
-    uint32_t g = 0;
-    for (int64_t tile = blockIdx.x; tile < p.ntiles; tile += gridDim.x) {
+    // Query chunk c -> [2 k blocks][64 rows][128 B], 128B swizzle.
+    const auto load_chunk = [&](int slot, int c) {
+      const uint32_t dst = q_s + (uint32_t)(slot * kHeadQBytes), bar = bar_qfull + 8u * slot;
+      mbar_expect_tx(bar, (uint32_t)kHeadQBytes);
+      tma_load_2d(dst, &qmap, 0, c * kHeadNQ, bar);
+      tma_load_2d(dst + kHeadQBytes / 2, &qmap, 64, c * kHeadNQ, bar);
+    };
+    if (resident)
+      for (int c = 0; c < p.nqc; ++c) load_chunk(c, c);
+    uint32_t g = 0, qg = 0;
+    for (int64_t w = blockIdx.x; w < p.nwork; w += gridDim.x) {
+      const int64_t tile = w / p.qgroups;
       const int y = (int)(tile * BM);
       for (int kb = 0; kb < p.nkb; ++kb, ++g) {
         const int s = (int)(g % ST);
@@ -304,6 +332,15 @@ __global__ void __launch_bounds__(kHeadThreads, 1)
         mbar_expect_tx(bar_full + 8u * s, (uint32_t)C::STAGE_BYTES);
         tma_load_2d(dst, &hmap, kb * 64, y, bar_full + 8u * s);
         tma_load_2d(dst + C::H_BYTES, &wmap, kb * 64, 0, bar_full + 8u * s);
+      }
+      if (!resident) {  // the item's chunks, in the order the consumers take them
+        const int c0 = (int)(w - tile * p.qgroups) * p.qcpg;
+        const int c1 = c0 + p.qcpg < p.nqc ? c0 + p.qcpg : p.nqc;
+        for (int c = c0; c < c1; ++c, ++qg) {
+          const int s = (int)(qg % QS);
+          mbar_wait(bar_qempty + 8u * s, ((qg / QS) & 1u) ^ 1u);
+          load_chunk(s, c);
+        }
       }
     }
     return;
@@ -315,9 +352,16 @@ __global__ void __launch_bounds__(kHeadThreads, 1)
   const int g8 = lane >> 2, c4 = lane & 3;
   float* const s_t = s_all + wg * 64 * kHeadSStride;  // this warpgroup's S^T [64 rows][kHeadSStride]
   float acc[MT][64];
-  uint32_t g = 0;
-  for (int64_t tile = blockIdx.x; tile < p.ntiles; tile += gridDim.x) {
-    // 1. projection: D = H rows x W^T over d_model, one chain per block.
+  uint32_t g = 0, qg = 0;
+  for (int64_t w = blockIdx.x; w < p.nwork; w += gridDim.x) {
+    const int64_t tile = w / p.qgroups;
+    // 1. projection: D = H rows x W^T over d_model, one chain per block. The
+    // zero fill ends the live range of the previous item's A fragments (the
+    // first wgmma of a chain does not read its accumulator).
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+      for (int i = 0; i < 64; ++i) acc[m][i] = 0.f;
     for (int kb = 0; kb < p.nkb; ++kb, ++g) {
       const int s = (int)(g % ST);
       mbar_wait(bar_full + 8u * s, (g / ST) & 1u);
@@ -341,9 +385,55 @@ __global__ void __launch_bounds__(kHeadThreads, 1)
 #pragma unroll
     for (int m = 0; m < MT; ++m) wg_fence_acc<64>(acc[m]);
     if (tw == 0) mbar_arrive(bar_empty + 8u * ((g - 1) % ST));
+
+    // 2. epilogue, block by block.
+    HeadBlock blk[MT];
+    bool row_ok[MT][2];
 #pragma unroll
-    for (int m = 0; m < MT; ++m)
-      head_block<T>(p, acc[m], tile * BM + (2 * m + wg) * 64, bias_s, q_s, s_t, wg, wq, g8, c4, tw);
+    for (int m = 0; m < MT; ++m) {
+      blk[m] = head_block_info(p, tile * BM + (2 * m + wg) * 64);
+      head_epilogue<T>(p, acc[m], blk[m].t0, bias_s, wq, g8, c4, row_ok[m]);
+    }
+
+    // 3-4. the item's query chunks. Blocks past the hidden rows (the last
+    // tile) are scored too (a wgmma under a branch serialises every wgmma of
+    // the kernel) but not reduced.
+    const int c0 = (int)(w - tile * p.qgroups) * p.qcpg;
+    const int c1 = c0 + p.qcpg < p.nqc ? c0 + p.qcpg : p.nqc;
+    for (int c = c0; c < c1; ++c) {
+      const int s = resident ? c : (int)(qg % QS);
+      mbar_wait(bar_qfull + 8u * s, resident ? 0u : (qg / QS) & 1u);
+      const uint32_t qb = q_s + (uint32_t)(s * kHeadQBytes);
+      float sacc[MT][32];
+#pragma unroll
+      for (int m = 0; m < MT; ++m) wg_fence_acc<32>(sacc[m]);
+      wg_fence();
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+#pragma unroll
+        for (int ks = 0; ks < 8; ++ks) {
+          const uint32_t a[4] = {__float_as_uint(acc[m][4 * ks]), __float_as_uint(acc[m][4 * ks + 1]),
+                                 __float_as_uint(acc[m][4 * ks + 2]), __float_as_uint(acc[m][4 * ks + 3])};
+          cuda_fwd::WgMma<T>::n64(sacc[m], a, wg_desc(qb + (uint32_t)((ks >> 2) * (kHeadQBytes / 2) + (ks & 3) * 32)),
+                                  ks);
+        }
+        wg_commit();
+      }
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        if (m + 1 < MT)
+          wg_wait<1>();  // block m's group (MT == 2: block 1's still runs)
+        else
+          wg_wait<0>();
+        wg_fence_acc<32>(sacc[m]);
+        if (blk[m].nv > 0) head_reduce(p, blk[m], sacc[m], row_ok[m], c, s_t, wg, wq, g8, c4, tw);
+      }
+      // The chunk's groups have retired (as for the H / W ring): free its slot.
+      if (!resident) {
+        if (tw == 0) mbar_arrive(bar_qempty + 8u * s);
+        ++qg;
+      }
+    }
   }
 #endif  // MAXSIM_WG_DEVICE
 }

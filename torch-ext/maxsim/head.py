@@ -9,10 +9,10 @@ re-projects it instead of keeping it, and the memory stays one chunk's
 whatever the batch. Differentiable in ``Q``, ``H``, ``W`` and ``b``. In
 training this is the chunked composition (cuBLAS projection + the MaxSim
 kernels). Inference on an sm_90 GPU within the fused kernel's scope (fp16 /
-bf16, ``d_out == 128``, ``d_model`` a multiple of 64, at most 64 query tokens
-in all, documents shared by every query) takes the op ``head_forward``: one
-kernel projects, normalises and scores each tile of hidden states without
-writing the projected documents to memory.
+bf16, ``d_out == 128``, ``d_model`` a multiple of 64, at most 1024 query
+tokens in all, documents shared by every query) takes the op
+``head_forward``: one kernel projects, normalises and scores each tile of
+hidden states without writing the projected documents to memory.
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ def _reference_head_forward(q, h, w, b, q_mask, d_mask, normalize):
 register_fallbacks(((HEAD_FORWARD, _reference_head_forward),))
 
 _FUSED_DTYPES = (torch.float16, torch.bfloat16)
+_FUSED_MAX_QUERY_TOKENS = 1024  # head::kHeadMaxQ (head_fused.cuh)
 
 
 @functools.lru_cache(maxsize=None)
@@ -73,15 +74,16 @@ def _sm90(index: int) -> bool:
 def _fused_ok(Q3: Tensor, H: Tensor, W: Tensor, b: Optional[Tensor], q_mask, d_mask) -> bool:
     """Whether ``head_forward``'s fused kernel takes this (inference) call:
     an sm_90 GPU, fp16 / bf16 throughout, d_out 128, d_model a multiple of
-    64, at most 64 query tokens, shared documents (3-D H, contiguous, 16-byte
-    aligned: it streams through TMA), boolean masks of the exact shapes."""
+    64, at most 1024 query tokens in all, shared documents (3-D H,
+    contiguous, 16-byte aligned: it streams through TMA), boolean masks of
+    the exact shapes."""
     if not (Q3.is_cuda and H.dim() == 3 and Q3.dtype in _FUSED_DTYPES):
         return False
     if any(t is not None and (t.dtype != Q3.dtype or t.device != Q3.device) for t in (H, W, b)):
         return False
     Nq, Lq, d_out = Q3.shape
     Nd, Ld, d_model = H.shape
-    if d_out != 128 or d_model % 64 or d_model == 0 or Nq * Lq > 64:
+    if d_out != 128 or d_model % 64 or d_model == 0 or Nq * Lq > _FUSED_MAX_QUERY_TOKENS:
         return False
     # The offset, not data_ptr(): fake tensors (torch.compile) have none. A
     # base pointer the caching allocator did not align costs the op a copy.
