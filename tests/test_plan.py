@@ -197,6 +197,72 @@ def test_tile_kernel_rules(ms):
     assert p["splits"] > 1 and p["row_mode"] == 2, p
 
 
+
+@pytest.mark.parametrize("arch,sms", [(90, 132), (80, 108)], ids=["sm90a-132", "sm80-108"])
+def test_stream_run_rules(ms, arch, sms):
+    # Many short documents of one query: the register stream in runs of
+    # pairs per warp (2-32 pairs, in whole waves of runs).
+    for nd, ld in ((200000, 8), (200000, 16), (100000, 32), (40000, 12)):
+        for dim, lq in ((128, 32), (64, 7), (128, 1)):
+            p = plan(ms, CROSS, 1, nd, lq, ld, dim=dim, arch=arch, sms=sms)
+            assert p["family"] == "stream" and 2 <= p["run"] <= 32, (nd, ld, dim, lq, p)
+            assert p["split"] == 1 and p["tail"] == 0 and p["grid"] == -(-nd // p["run"] // 4), p
+    # Per-query candidates: runs within a query's K candidates.
+    p = plan(ms, GROUPED, 64, 64000, 32, 24, arch=arch, sms=sms)
+    assert p["family"] == "stream" and 2 <= p["run"] <= 32, p
+    assert p["grid"] == -(-64 * -(-1000 // p["run"]) // 4), p
+    assert plan(ms, GROUPED, 64, 64000, 32, 24, arch=arch, sms=sms, dtype=torch.float16)["run"] >= 2
+    # Not: long documents, few pairs, several queries, 8-bit rows, rows of
+    # 64 / 192 bytes, pair lists, one candidate per query, argmax, fp32.
+    assert plan(ms, CROSS, 1, 200000, 32, 64, arch=arch, sms=sms).get("run", 0) == 0
+    assert plan(ms, CROSS, 1, 20000, 32, 300, arch=arch, sms=sms).get("run", 0) == 0
+    assert plan(ms, CROSS, 1, 100000, 32, 40, arch=arch, sms=sms).get("run", 0) == 0
+    assert plan(ms, CROSS, 1, 1000, 32, 8, arch=arch, sms=sms)["run"] == 0
+    assert plan(ms, CROSS, 1, 5000, 32, 8, arch=arch, sms=sms)["run"] == 0
+    assert plan(ms, CROSS, 32, 50000, 32, 8, arch=arch, sms=sms)["family"] == "packed"
+    assert plan(ms, CROSS, 1, 200000, 32, 8, dtype=torch.int8, quant=True, arch=arch, sms=sms)["run"] == 0
+    for dim in (32, 96):
+        assert plan(ms, CROSS, 1, 200000, 32, 8, dim=dim, arch=arch, sms=sms)["run"] == 0
+    assert plan(ms, LIST, 1, 200000, 32, 8, arch=arch, sms=sms).get("run", 0) == 0
+    assert plan(ms, GROUPED, 64000, 64000, 32, 24, arch=arch, sms=sms).get("run", 0) == 0
+    assert plan(ms, CROSS, 1, 200000, 32, 8, argmax=True, arch=arch, sms=sms).get("run", 0) == 0
+    assert plan(ms, CROSS, 1, 200000, 32, 8, dtype=torch.float32, arch=arch, sms=sms).get("run", 0) == 0
+
+
+def test_stream_run_forcing(ms):
+    # Forced runs: the longest (32 pairs, capped by the group), wherever the
+    # run kernel can read the call -- long documents and few pairs included.
+    assert plan(ms, CROSS, 1, 300, 32, 8, force="stream_run")["run"] == 32
+    assert plan(ms, CROSS, 1, 7, 7, 3, dim=64, force="stream_run")["run"] == 7
+    assert plan(ms, CROSS, 1, 1, 1, 1, force="stream_run")["run"] == 1
+    assert plan(ms, CROSS, 1, 2000, 32, 300, force="stream_run")["run"] == 32
+    p = plan(ms, GROUPED, 3, 3000, 32, 24, force="stream_run")
+    assert (p["family"], p["run"], p["grid"]) == ("stream", 32, -(-3 * 32 // 4)), p
+    assert plan(ms, GROUPED, 4, 40, 32, 24, force="stream_run")["run"] == 10
+    # ... and where it cannot: the register stream one pair per warp.
+    p = plan(ms, CROSS, 1, 300, 32, 8, dim=96, force="stream_run")
+    assert (p["family"], p["run"]) == ("stream", 0), p
+    assert plan(ms, LIST, 4, 300, 32, 8, force="stream_run")["run"] == 0
+    # Forced off; "stream" keeps the rule.
+    p = plan(ms, CROSS, 1, 200000, 32, 8, force="stream_pair")
+    assert (p["family"], p["run"]) == ("stream", 0), p
+    assert plan(ms, CROSS, 1, 200000, 32, 8, force="stream")["run"] >= 2
+    assert plan(ms, CROSS, 1, 200000, 32, 8, force="packed")["family"] == "packed"
+    # The thread's override: nests and restores the run modes too.
+    Q = torch.randn(1, 32, 128, dtype=torch.bfloat16)
+    D = torch.empty(200000, 8, 128, dtype=torch.bfloat16, device="meta")
+    assert ms.explain(Q, D)["run"] >= 2
+    with ms.forcing("stream_pair"):
+        assert ms.explain(Q, D)["run"] == 0
+        with ms.forcing("simt"):
+            assert ms.explain(Q, D)["family"] == "simt"
+        assert (ms.explain(Q, D)["family"], ms.explain(Q, D)["run"]) == ("stream", 0)
+        with ms.forcing("stream_run"):
+            assert ms.explain(Q, D)["run"] == 32
+        assert ms.explain(Q, D)["run"] == 0
+    assert ms.explain(Q, D)["run"] >= 2
+    assert ms.explain(Q, D, force="stream_run")["run"] == 32
+
 # The short-document rows of benchmarks/bench_short_docs.py: (Nq, Nd, Ld).
 SHORT_SHARED = [(32, 50000, 8), (32, 50000, 16), (32, 50000, 32), (128, 20000, 16)]
 

@@ -180,3 +180,147 @@ def test_packed_many_documents_per_cta(ms):
     out = ms.maxsim(Q, D)
     assert not torch.isnan(out).any()
     assert_close(out, ref, torch.float16)
+
+
+# ---- the register stream's runs of pairs (forward_stream_run.cuh) -----------
+# One query's consecutive short documents (CROSS with one query, GROUPED
+# candidates) in runs of pairs per warp: forced on ("stream_run", the longest
+# runs, so even a few hundred documents span runs of 32 pairs and the steps
+# in flight cross document and run boundaries) and off ("stream_pair": one
+# pair per warp or split pairs), whose scores must be the same bits.
+
+CUDA_ONLY = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _bits(x):
+    return x.float().contiguous().view(torch.int32)
+
+
+def _stream_modes(ms, fn, Q, D):
+    """fn() under forced runs and forced single pairs: (runs, pairs), after
+    checking that each mode is the plan explain shows for (Q, D)."""
+    with ms.forcing("stream_run"):
+        p = ms.explain(Q, D)
+        assert p["family"] == "stream" and p["run"] >= 1, p
+        runs = fn()
+    with ms.forcing("stream_pair"):
+        p = ms.explain(Q, D)
+        assert p["family"] == "stream" and p["run"] == 0, p
+        pairs = fn()
+    return runs, pairs
+
+
+def _check_against(out, ref, dtype, nan_docs, zero_docs):
+    """NaN exactly for nan_docs, 0 for zero_docs, the fp64 reference elsewhere."""
+    out, ref = out.cpu(), ref.cpu()
+    nan = torch.zeros(out.shape[-1], dtype=torch.bool)
+    nan[nan_docs] = True
+    assert torch.equal(torch.isnan(out[0]), nan)
+    if zero_docs.any():
+        assert torch.all(out[0, zero_docs] == 0)
+    assert_close(out[:, ~nan], ref[:, ~nan], dtype)
+
+
+@CUDA_ONLY
+@pytest.mark.parametrize("dtype", SHORT_DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("lq", [1, 7, 32])
+@pytest.mark.parametrize("nd", [1, 7, 300, 5000])
+@pytest.mark.parametrize("ld", [1, 3, 8, 15, 16, 24, 32])
+def test_stream_runs_one_query(ms, dtype, dim, lq, nd, ld):
+    """One query x nd documents of ld tokens: padded with token masks (holes,
+    prefix lengths including 0, fully masked documents) and ragged with
+    lengths including 0; a NaN token in one document (NaN for it only).
+    Runs against fp64, and bitwise against one pair per warp."""
+    g = torch.Generator().manual_seed(1000 * ld + nd + lq + dim)
+    Q = rand(1, lq, dim, dtype=dtype, gen=g).cuda()
+    qm = torch.rand(1, lq, generator=g) > 0.2
+    qm[0, 0] = True
+    # padded documents, token masks
+    D = rand(nd, ld, dim, dtype=dtype, gen=g)
+    dlen = torch.randint(0, ld + 1, (nd,), generator=g)
+    dm = lengths_mask(dlen, ld) & (torch.rand(nd, ld, generator=g) > 0.2)
+    dm[::5] = False  # fully masked documents score 0
+    bad = nd // 2
+    dm[bad, ld - 1] = True
+    D[bad, ld - 1, dim // 3] = float("nan")
+    D, dm, qm = D.cuda(), dm.cuda(), qm.cuda()
+    ref = ms.maxsim_reference(Q, D, qm, dm)
+    runs, pairs = _stream_modes(ms, lambda: ms.maxsim(Q, D, qm, dm), Q, D)
+    assert torch.equal(_bits(runs), _bits(pairs))
+    _check_against(runs, ref, dtype, [bad], ~dm.cpu().any(dim=1))
+    # ragged documents, lengths (0 included), no masks
+    dlens = torch.randint(0, ld + 1, (nd,), generator=g)
+    dlens[::7] = 0
+    dlens[bad] = ld
+    doff = torch.cat([torch.zeros(1, dtype=torch.long), dlens.cumsum(0)])
+    d = rand(int(doff[-1]), dim, dtype=dtype, gen=g)
+    d[int(doff[bad]), 0] = float("nan")
+    Dp = torch.zeros(nd, ld, dim, dtype=dtype)
+    Dp[lengths_mask(dlens, ld)] = d
+    ref2 = ms.maxsim_reference(Q.cpu(), Dp, None, lengths_mask(dlens, ld))
+    d, doff = d.cuda(), doff.cuda()
+    runs2, pairs2 = _stream_modes(ms, lambda: ms.score_contrastive(Q, d, doff), Q, Dp.to("meta"))
+    assert torch.equal(_bits(runs2), _bits(pairs2))
+    _check_against(runs2, ref2, dtype, [bad], dlens == 0)
+
+
+@CUDA_ONLY
+@pytest.mark.parametrize("dtype", SHORT_DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_stream_runs_candidates(ms, dtype, dim):
+    """Per-query candidates (GROUPED), B 3 x K 1000 x Ld 24 with query and
+    document lengths (0 included, one invalid length: NaN for that pair):
+    runs never cross a query's candidates (1000 = 31 runs of 32 + 8)."""
+    g = torch.Generator().manual_seed(dim + 3)
+    B, K, lq, ld = 3, 1000, 32, 24
+    Q = rand(B, lq, dim, dtype=dtype, gen=g).cuda()
+    D = rand(B, K, ld, dim, dtype=dtype, gen=g).cuda()
+    qlen = torch.randint(1, lq + 1, (B,), generator=g)
+    qlen[1] = 3
+    dlen = torch.randint(0, ld + 1, (B, K), generator=g)
+    dlen[:, :40:3] = 0
+    ref = ms.maxsim_reference(Q, D, lengths_mask(qlen, lq).cuda(), lengths_mask(dlen, ld).view(B, K, ld).cuda())
+    qlen, dlen = qlen.cuda(), dlen.cuda()
+    fn = lambda: ms.score_candidates_padded(Q, D, qlen, dlen)  # noqa: E731
+    runs, pairs = _stream_modes(ms, fn, Q, D)
+    assert torch.equal(_bits(runs), _bits(pairs))
+    assert_close(runs, ref, dtype)
+    assert torch.all(runs.cpu()[dlen.cpu() == 0] == 0)
+    bad = dlen.clone()
+    bad[2, 500] = -1
+    fn = lambda: ms.score_candidates_padded(Q, D, qlen, bad, validate=False)  # noqa: E731
+    runs, pairs = _stream_modes(ms, fn, Q, D)
+    assert torch.equal(_bits(runs), _bits(pairs))
+    nan = torch.zeros(B, K, dtype=torch.bool)
+    nan[2, 500] = True
+    assert torch.equal(torch.isnan(runs.cpu()), nan)
+
+
+@CUDA_ONLY
+def test_stream_runs_by_the_rule(ms):
+    """Many short documents of one query, and per-query candidates, take runs
+    by the planner's own rule on the device, bitwise the one-pair scores;
+    long documents do not."""
+    g = torch.Generator(device="cuda").manual_seed(31)
+    Q = torch.randn(1, 32, 128, device="cuda", generator=g).to(torch.bfloat16)
+    D = torch.randn(60000, 8, 128, device="cuda", generator=g).to(torch.bfloat16)
+    p = ms.explain(Q, D)
+    assert (p["family"], p["run"] >= 2) == ("stream", True), p
+    out = ms.maxsim(Q, D)
+    with ms.forcing("stream_pair"):
+        assert torch.equal(_bits(out), _bits(ms.maxsim(Q, D)))
+    assert_close(out, ms.maxsim_reference(Q, D), torch.bfloat16)
+    # candidates: 64 queries x 1000 own documents x 24 tokens, with lengths
+    Qb = torch.randn(64, 32, 128, device="cuda", generator=g).to(torch.bfloat16)
+    Db = torch.randn(64, 1000, 24, 128, device="cuda", generator=g).to(torch.bfloat16)
+    dlen = torch.randint(0, 25, (64, 1000), device="cuda", generator=g)
+    p = ms.explain(Qb, Db)
+    assert (p["family"], p["run"] >= 2) == ("stream", True), p
+    outb = ms.score_candidates_padded(Qb, Db, None, dlen)
+    with ms.forcing("stream_pair"):
+        assert torch.equal(_bits(outb), _bits(ms.score_candidates_padded(Qb, Db, None, dlen)))
+    ref = ms.maxsim_reference(Qb, Db, None, lengths_mask(dlen.reshape(-1), 24).view(64, 1000, 24))
+    assert_close(outb, ref, torch.bfloat16)
+    p = ms.explain(Q, torch.empty(20000, 300, 128, dtype=torch.bfloat16, device="meta"))
+    assert p.get("run", 0) == 0, p

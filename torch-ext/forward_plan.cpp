@@ -84,20 +84,34 @@ plan::DeviceFacts model_facts(int64_t arch, int64_t sm_count) {
   return {};
 }
 
-plan::Family family_of(const std::string& name) {
+// An override's name: a family, or the register stream with its runs of
+// pairs forced on ("stream_run") or off ("stream_pair"; Request::force_run).
+struct Forced {
+  plan::Family family;
+  int run;
+};
+constexpr const char* kStreamRunName = "stream_run";
+constexpr const char* kStreamPairName = "stream_pair";
+
+Forced forced_of(const std::string& name) {
+  if (name == kStreamRunName) return {plan::Family::kStream, 1};
+  if (name == kStreamPairName) return {plan::Family::kStream, -1};
   for (plan::Family f : {plan::Family::kStream, plan::Family::kStreamWg, plan::Family::kMma, plan::Family::kWgmma,
                          plan::Family::kSimt, plan::Family::kPacked})
-    if (name == plan::family_name(f)) return f;
+    if (name == plan::family_name(f)) return {f, 0};
   MAXSIM_CHECK(name.empty(), "maxsim: plan_forward: unknown family '%s'", name.c_str());
-  return plan::Family::kNone;
+  return {plan::Family::kNone, 0};
 }
 
 }  // namespace
 
 std::string set_forced_family(std::string family) {
-  const plan::Family f = family_of(family);
+  const Forced f = forced_of(family);
   const plan::Family previous = plan::forced_family();
-  plan::forced_family() = f;
+  const int previous_run = plan::forced_run();
+  plan::forced_family() = f.family;
+  plan::forced_run() = f.run;
+  if (previous_run != 0) return previous_run > 0 ? kStreamRunName : kStreamPairName;
   return previous == plan::Family::kNone ? std::string() : std::string(plan::family_name(previous));
 }
 
@@ -112,7 +126,11 @@ std::string plan_forward(int64_t layout, int64_t nq, int64_t nd, int64_t tq, int
   plan::Request r = forward_request(layout, nq, nd, tq, td, pairs, lq, dim, dtype, quant, uniform_doc_scales, argmax,
                                     precision, normalize);
   r.ptr_align = (int)ptr_align;
-  if (!force.empty()) r.force = family_of(force);
+  if (!force.empty()) {
+    const Forced f = forced_of(force);
+    r.force = f.family;
+    r.force_run = f.run;
+  }
   plan::DeviceFacts dev;
   if (arch < 0) {
 #if defined(CUDA_KERNEL)
@@ -138,6 +156,7 @@ std::string plan_forward(int64_t layout, int64_t nq, int64_t nd, int64_t tq, int
       put("warps", p.stream.warps);
       put("split", p.stream.split);
       put("tail", p.stream.tail);
+      put("run", p.stream.run);
       put("grid", p.grid);
       put("keep", p.keep);
       put("multiwave", p.multiwave);

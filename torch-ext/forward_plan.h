@@ -19,7 +19,11 @@
 //     wgmma stream, one query (or per-query candidates, pair lists) against
 //     documents of >= 64 tokens; also queries of 33-128 rows;
 //   * kStream: the register-streaming kernel, lq <= 32, one warp (or a few)
-//     per document, no shared memory: reranking, corpus scans;
+//     per document, no shared memory: reranking, corpus scans; for many
+//     short documents of one query (mean <= kStreamRunMaxMeanLd tokens,
+//     CROSS with one query or GROUPED candidates, 16-bit rows of 128 / 256
+//     bytes) runs of up to kStreamRunMax consecutive pairs per warp
+//     (StreamPlan::run), the query loaded once per run;
 //   * kWgmma (sm_90a): the wgmma + TMA tile kernel when a 128-row query tile
 //     is full;
 //   * kMma: the mma.sync tile kernel, one of kMmaConfigs by lq / layout;
@@ -127,6 +131,12 @@ constexpr int kStreamWarps = 4;      // streaming kernel: warps (pairs) per CTA
 constexpr int kStreamWideWarps = 8;  // one pair per CTA of this many warps
 constexpr int kRankMax = kStreamWarps * 32;  // fused top-k: candidates per row, at most
 constexpr int64_t kStreamMaxMeanLd = 4096;   // longer documents take the tile kernels' splits
+// Runs of pairs (forward_stream_run.cuh): pairs per warp, at most (lane i
+// holds the run's i-th document segment), and the rule's mean document
+// length, at most (longer documents stream well one pair per warp: the
+// query's reload is a small part of their bytes).
+constexpr int kStreamRunMax = 32;
+constexpr int64_t kStreamRunMaxMeanLd = 32;
 
 constexpr int kStreamWgThreads = 128;  // staged wgmma stream: one warpgroup
 constexpr int kStreamWgTokens = 64;    // tokens per stage (wgmma M)
@@ -171,6 +181,7 @@ struct KernelId {
   int warps = 0;        // kStream: warps per CTA (kStreamWarps or kStreamWideWarps)
   bool rank = false;    // kStream: the fused top-k
   bool doc_scale = false;  // kStream: 8-bit tokens with one scale per document
+  bool run = false;        // kStream: runs of pairs (StreamPlan::run)
 };
 
 struct DeviceFacts {
@@ -201,12 +212,22 @@ struct Request {
   // Public override (benchmarks): this family wherever it can take the
   // call, else the rules. kNone: the rules.
   Family force = Family::kNone;
+  // The register stream's runs of pairs (force == kStream only): 1 wherever
+  // they can take the call (the longest runs), -1 never (one pair per warp
+  // or split pairs), 0 the rules.
+  int force_run = 0;
 };
 
 // The calling thread's override, which every request built by
 // forward_request starts from (set by maxsim.plan.forcing).
 inline Family& forced_family() {
   thread_local Family f = Family::kNone;
+  return f;
+}
+// Its runs-of-pairs part (Request::force_run): forcing("stream_run") /
+// forcing("stream_pair").
+inline int& forced_run() {
+  thread_local int f = 0;
   return f;
 }
 
@@ -220,6 +241,8 @@ struct StreamPlan {  // kStream
   int qsm = 0;    // query staged in shared memory
   int64_t tail = 0, head_blocks = 0, blocks = 0;
   int64_t extent = 0, qextent = 0;  // guessed segment starts (0: none)
+  int run = 0;       // > 0: runs of this many pairs per warp (forward_stream_run.cuh)
+  int64_t rpg = 0;   // runs: runs per group of pairs sharing a query
 };
 
 struct StreamWgPlan {  // kStreamWg
@@ -349,6 +372,66 @@ inline bool plan_stream_wg(Plan& pl, const Request& r, const DeviceFacts& dev, i
   return true;
 }
 
+// Runs of pairs where they can take the call: 16-bit rows of 128 / 256
+// bytes, consecutive pairs sharing a query (CROSS with one query, GROUPED
+// candidates; P < 2^31), no fused top-k.
+inline bool stream_run_ok(const Request& r, const StreamPlan& s) {
+  return is_16bit(r.dtype) && !s.rank && (s.ks == 4 || s.ks == 8) &&
+         ((r.layout == kCross && r.Nq == 1) || r.layout == kGrouped) &&
+         r.P <= std::numeric_limits<int32_t>::max() && r.force_run >= 0;
+}
+
+// Runs of pairs for many short documents: one warp per pair reloads the
+// query (8 KB at 32 rows of 256 bytes, from L2) per document of 2 KB (8
+// tokens) and starts each pair on a chain of dependent loads; a run loads
+// the query once and keeps its steps in flight across documents. Taken
+// from 4 pairs per resident warp slot (fewer: one pair per warp, splits);
+// the run length gives whole waves of runs (>= 2, so ragged runs even out;
+// a last wave of a few CTAs would run a whole run's chain of loads alone),
+// capped at kStreamRunMax and at the group (a query's candidates). Forced
+// (force_run 1): the longest runs. false leaves the plan untouched.
+inline bool plan_stream_runs(Plan& pl, const Request& r, const DeviceFacts& dev, int64_t mean_ld) {
+  StreamPlan& s = pl.stream;
+  if (!stream_run_ok(r, s)) return false;
+  const bool forced = r.force == Family::kStream && r.force_run > 0;
+  if (!forced && mean_ld > kStreamRunMaxMeanLd) return false;
+  KernelId k{Family::kStream, r.dtype};
+  k.ks = s.ks;
+  k.rows = s.rows;
+  k.warps = kStreamWarps;
+  k.run = true;
+  const int per_sm = std::max(blocks(dev, k), 1);
+  const int64_t slots = (int64_t)per_sm * kStreamWarps * dev.sm_count;
+  const int64_t gsz = r.layout == kGrouped ? std::max<int64_t>(1, r.Nq > 0 ? r.Nd / r.Nq : 1) : r.P;
+  const int64_t groups = (r.P + gsz - 1) / gsz;
+  if (!forced && (r.P < 4 * slots || gsz < 2)) return false;
+  // Whole waves of runs: the fewest (>= 2) that keep runs <= kStreamRunMax,
+  // then the shortest runs that fit them, so the last wave is about full.
+  const int64_t waves = std::max<int64_t>(2, (r.P + slots * kStreamRunMax - 1) / (slots * kStreamRunMax));
+  const int64_t rpg_fit = std::max<int64_t>(1, waves * slots / groups);
+  int64_t run = forced ? kStreamRunMax : (gsz + rpg_fit - 1) / rpg_fit;
+  run = std::max<int64_t>(1, std::min<int64_t>({run, kStreamRunMax, gsz}));
+  if (!forced && run < 2) return false;
+  s.run = (int)run;
+  s.rpg = (gsz + run - 1) / run;
+  const int64_t runs = groups * s.rpg;
+  s.warps = kStreamWarps;
+  s.split = 1;
+  s.tail = 0;
+  s.blocks = s.head_blocks = (runs + kStreamWarps - 1) / kStreamWarps;
+  s.il = 3;  // the run kernel always takes the 16-bit one-pair lane layout (same k order, same bits)
+  s.qsm = 0;
+  const int64_t wave = (int64_t)per_sm * dev.sm_count;
+  pl.multiwave = s.blocks > wave;
+  const int64_t prefix = s.blocks >= 12 * wave
+                             ? stream_plain_prefix(dev, kStreamWarps * run * std::max<int64_t>(mean_ld, 1) * r.dim *
+                                                            elem_size(r.dtype))
+                             : 0;
+  pl.keep = stream_plain_ctas(r, dev, mean_ld, prefix);
+  pl.grid = s.blocks;
+  return true;
+}
+
 // Register-streaming kernel: warps per pair, tail, lane layout, staging.
 // A pair split over S warps shortens each warp's chain of dependent loads
 // and the last wave's tail, but costs a query load per warp and can push a
@@ -368,6 +451,7 @@ inline void plan_stream(Plan& pl, const Request& r, const DeviceFacts& dev, int6
   k.rows = s.rows;
   k.rank = s.rank;
   k.doc_scale = s.doc_scale;
+  if (plan_stream_runs(pl, r, dev, mean_ld)) return;
   const int64_t ntile = (mean_ld + 7) / 8;
   if (b16 && !s.rank && (s.ks == 4 || s.ks == 8)) {
     // Pairs that fit one wave of 8-warp CTAs with >= 4 tiles per warp: one

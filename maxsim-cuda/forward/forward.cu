@@ -123,6 +123,7 @@ int blocks_per_sm(const plan::KernelId& k) {
         s.warps = k.warps;
         s.rank = k.rank;
         s.doc_scale = k.doc_scale;
+        s.run = k.run ? 1 : 0;
         return stream_blocks<T>(s);
       }
     } else if (k.family == plan::Family::kStreamWg) {

@@ -11,6 +11,11 @@
 // documents under 64 tokens, few pairs, pair lists, 8-bit rows and the
 // search re-score.
 //
+// Many short documents of one query (CROSS with one query, GROUPED
+// candidates; 16-bit rows of 128 / 256 bytes): runs of consecutive pairs per
+// warp (forward_stream_run.cuh), the query's fragments loaded once per run
+// and the steps in flight across document boundaries, bitwise the scores of
+// the one-pair-per-warp path below. Otherwise:
 // One warp per pair, or S = 2 / 4 warps per pair each taking every S-th of
 // the document's tiles, so the pair's warps read adjacent tiles at once
 // (a little faster than contiguous ranges). Their row maxima combine
@@ -538,6 +543,14 @@ struct StreamKernel {
   int threads;
 };
 
+}  // namespace cuda_fwd
+}  // namespace maxsim
+
+#include "forward_stream_run.cuh"  // runs of pairs (plan::StreamPlan::run)
+
+namespace maxsim {
+namespace cuda_fwd {
+
 template <typename T, int KS, int MT, bool RK, bool DS>
 StreamKernel stream_kernel_nw(const plan::StreamPlan& s) {
   if constexpr (!kIsQuant<T> && !RK && !DS && (KS == 4 || KS == 8)) {
@@ -565,6 +578,7 @@ StreamKernel stream_kernel_rows(const plan::StreamPlan& s) {
 
 template <typename T>
 StreamKernel stream_kernel(const plan::StreamPlan& s) {
+  if (s.run > 0) return stream_run_kernel_of<T>(s);
   switch (s.ks) {
     case 2: return stream_kernel_rows<T, 2>(s);
     case 4: return stream_kernel_rows<T, 4>(s);

@@ -54,12 +54,14 @@ def explain(Q: Tensor, D: Tensor, q_mask: Optional[Tensor] = None, d_mask: Optio
     Returns a dict with ``family`` (``"stream"``, ``"stream_wg"``, ``"mma"``,
     ``"wgmma"``, ``"simt"``, ``"packed"`` or ``"none"``) and the plan's integers (e.g.
     ``cfg``, ``splits``, ``grid``; ``split`` 1 on ``"mma"`` when fp32 tokens
-    take split 3xTF32 products, 0 for one TF32 product or 16/8-bit tokens).
+    take split 3xTF32 products, 0 for one TF32 product or 16/8-bit tokens;
+    ``run`` on ``"stream"``: pairs per warp's run of one query's consecutive
+    documents, 0 for one pair per warp or split pairs).
     On a CUDA tensor with no override the plan is the device's own (its occupancy included). ``arch`` (``"9.0a"``,
     ``"8.0"``, or 90 / 80 / 86 / 89) and ``sm_count`` plan for another device,
     from a model of its shared memory and occupancy (default for CPU tensors:
-    sm_90a with 132 SMs); ``force`` names a family to take where it can
-    (default: the one ``forcing`` set, if any).
+    sm_90a with 132 SMs); ``force`` names a family to take where it can, or
+    one of ``STREAM_MODES`` (default: the one ``forcing`` set, if any).
     Masks do not change the plan; meta tensors plan shapes without memory.
     """
     if D.dim() not in (3, 4) or Q.dim() != 3:
@@ -85,18 +87,21 @@ def explain(Q: Tensor, D: Tensor, q_mask: Optional[Tensor] = None, d_mask: Optio
 
 
 FAMILIES = ("stream", "stream_wg", "mma", "wgmma", "simt", "packed")
+# The register stream ("stream") with its runs of pairs forced on (the
+# longest runs, wherever they can take the call) or off (one pair per warp).
+STREAM_MODES = ("stream_run", "stream_pair")
 
 
 @contextmanager
 def forcing(family: str) -> Iterator[None]:
     """Run the CUDA forward calls of this thread in ``family`` wherever it can
     take them (the planner's override, for benchmarks and tests): one of
-    ``FAMILIES``. Decisions are made when a call is issued, so a CUDA graph
+    ``FAMILIES`` or ``STREAM_MODES``. Decisions are made when a call is issued, so a CUDA graph
     captured inside keeps the forced path. Nests; restores the previous
     override on exit.
     """
-    if family not in FAMILIES:
-        raise ValueError(f"forcing: family must be one of {FAMILIES}, not {family!r}")
+    if family not in FAMILIES + STREAM_MODES:
+        raise ValueError(f"forcing: family must be one of {FAMILIES + STREAM_MODES}, not {family!r}")
     previous = ops.set_forced_family(family)
     try:
         yield
