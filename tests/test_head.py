@@ -136,8 +136,7 @@ def _fused_inputs(Nq, Lq, Nd, Ld, dm, dtype, bias, seed):
 # odd document lengths (tiles of 128 rows end inside documents; Ld 300 spans
 # three tiles); Nd not a multiple of anything. Then several chunks of 64
 # query tokens: 65 and 100 (a partial last chunk), 128 (two full ones), 129
-# (three: streamed through the two chunk slots of 256-row tiles, resident in
-# the three of 128-row tiles), 1024 (streamed; few tiles: the chunks split
+# (three: resident in the three chunk slots), 1024 (streamed; few tiles: the chunks split
 # over several CTAs per tile; 32 x 180 the short-document case; 61 x 300
 # enough tiles that each CTA takes all the chunks of its tiles).
 FUSED_SHAPES = [(1, 1, 7, 1, 64), (1, 32, 13, 15, 768), (2, 16, 11, 17, 64), (4, 16, 9, 33, 768),
@@ -151,9 +150,7 @@ FUSED_SHAPES = [(1, 1, 7, 1, 64), (1, 32, 13, 15, 768), (2, 16, 11, 17, 64), (4,
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("normalize", [True, False])
 @pytest.mark.parametrize("shape", FUSED_SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("rows_per_tile", ["256", "128"])
-def test_fused_head_forward(ms, monkeypatch, dtype, bias, normalize, shape, rows_per_tile):
-    monkeypatch.setenv("MAXSIM_HEAD_BM", rows_per_tile)  # the kernel's two tile heights
+def test_fused_head_forward(ms, dtype, bias, normalize, shape):
     Nq, Lq, Nd, Ld, dm = shape
     (Q, H, W, b), q_mask, d_mask = _fused_inputs(Nq, Lq, Nd, Ld, dm, dtype, bias, seed=Nd + Ld)
     out = ms.ops.head_forward(Q, H, W, b, q_mask, d_mask, normalize)
@@ -179,11 +176,9 @@ def test_fused_head_forward(ms, monkeypatch, dtype, bias, normalize, shape, rows
 
 @needs_sm90
 @pytest.mark.parametrize("nq_lq", [(2, 8), (5, 40)], ids=["16", "200"])  # one query chunk, four (streamed)
-@pytest.mark.parametrize("rows_per_tile", ["256", "128"])
-def test_fused_head_forward_nan_and_empty(ms, monkeypatch, nq_lq, rows_per_tile):
+def test_fused_head_forward_nan_and_empty(ms, nq_lq):
     """NaN in a valid token reaches its document's score (masked, it does
     not); no documents, and no query tokens, give empty / zero scores."""
-    monkeypatch.setenv("MAXSIM_HEAD_BM", rows_per_tile)
     Nq, Lq = nq_lq
     (Q, H, W, b), q_mask, _ = _fused_inputs(Nq, Lq, 6, 40, 128, torch.bfloat16, True, seed=3)
     d_mask = torch.ones(6, 40, dtype=torch.bool, device="cuda")

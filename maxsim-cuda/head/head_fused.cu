@@ -6,8 +6,6 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 
 #include "../common/dtype_dispatch.cuh"
 #include "../common/smem_opt_in.h"
@@ -55,14 +53,6 @@ CUtensorMap head_map(const void* ptr, int64_t rows, int64_t cols, int box_rows, 
                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   TORCH_CHECK(r == CUDA_SUCCESS, "maxsim: head_forward: cuTensorMapEncodeTiled failed (", (int)r, ")");
   return map;
-}
-
-// Hidden rows per tile: 256 (two 64-row blocks per consumer warpgroup: W is
-// read from L2 once per 256 rows), or 128 with MAXSIM_HEAD_BM=128 (deeper
-// ring, fewer registers).
-int head_rows_per_tile() {
-  const char* v = std::getenv("MAXSIM_HEAD_BM");
-  return v != nullptr && std::strcmp(v, "128") == 0 ? 128 : 256;
 }
 
 // Items per tile (each scoring a range of the query chunks): with fewer
@@ -156,10 +146,7 @@ at::Tensor head_forward_cuda(const at::Tensor& q_in, const at::Tensor& h_in, con
         launch_pdl(head::head_fused_kernel<T, MT>, dim3(grid), dim3(head::kHeadThreads),
                    (size_t)head::HeadCfg<MT>::SMEM, stream, hmap, wmap, qmap, p);
       };
-      if (head_rows_per_tile() == 128)
-        go(std::integral_constant<int, 1>{});
-      else
-        go(std::integral_constant<int, 2>{});
+      go(std::integral_constant<int, head::kHeadMT>{});
     }
   });
   const int64_t n = Nq * Nd;

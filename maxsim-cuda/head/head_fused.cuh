@@ -10,7 +10,7 @@
 //
 // Persistent kernel, one CTA per SM (384 threads), each CTA walking work
 // items with a stride of gridDim.x. An item is a tile of BM = 128 MT rows
-// (MT = 2 by default, 1 with MAXSIM_HEAD_BM=128) of the flat hidden rows
+// (MT = kHeadMT) of the flat hidden rows
 // [Nd * Ld, d_model] and a group of consecutive query chunks: with fewer
 // tiles than SMs (few, short documents against many query tokens) a tile's
 // chunks split over up to `qgroups` items on as many CTAs, each projecting
@@ -20,8 +20,7 @@
 //     128 B] (both 128B-swizzled, K-major; rows past Nd * Ld zero-filled) into
 //     a HeadCfg::STAGES-deep ring guarded by full / empty mbarriers. W is read
 //     again (from L2) for every tile: at 192 KB (d_model 768) it cannot stay
-//     resident beside the ring; a tile of 256 rows reads it once per 256 rows
-//     of H instead of once per 128. The query chunks [64 tokens x 128] (two
+//     resident beside the ring. The query chunks [64 tokens x 128] (two
 //     TMAs of [64 x 128 B], rows past Nq * Lq zero-filled) are loaded once
 //     when they all fit the HeadCfg::QS chunk slots (resident), else streamed
 //     through those slots, per item after its H / W k blocks, behind their
@@ -76,11 +75,14 @@ constexpr int kHeadQBytes = 2 * kHeadNQ * 128;          // one query chunk, 2 k 
 constexpr int kHeadSBytes = 2 * 64 * kHeadSStride * 4;  // S^T of both warpgroups (64 rows each)
 
 // MT: 64-row blocks per consumer warpgroup and tile (tiles of BM = 128 MT
-// hidden rows). Each tile reads all of W again (from L2), so MT = 2 halves
+// hidden rows). Each tile reads all of W again (from L2): MT = 2 would halve
 // that traffic (W is as many bytes as 128 rows of H) at the cost of a
-// second accumulator tile per thread and a shallower ring. QS query chunk
+// second accumulator tile per thread and a shallower ring, and times slower
+// (kHeadMT = 1: the deeper ring hides more than the W reads cost). QS query chunk
 // slots: at least two, so that the next chunk streams in while one is
 // scored; the rest of the 227 KB goes to the H / W ring.
+constexpr int kHeadMT = 1;
+
 template <int MT>
 struct HeadCfg {
   static constexpr int BM = 128 * MT;
