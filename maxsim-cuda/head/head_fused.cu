@@ -10,6 +10,7 @@
 #include "../common/dtype_dispatch.cuh"
 #include "../common/smem_opt_in.h"
 #include "head_fused.cuh"
+#include "check.h"
 #include "torch_binding.h"
 
 namespace maxsim {
@@ -51,7 +52,7 @@ CUtensorMap head_map(const void* ptr, int64_t rows, int64_t cols, int box_rows, 
   const CUresult r = encode(&map, dt, 2, const_cast<void*>(ptr), gdim, gstride, box, estride,
                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, promo,
                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  TORCH_CHECK(r == CUDA_SUCCESS, "maxsim: head_forward: cuTensorMapEncodeTiled failed (", (int)r, ")");
+  MAXSIM_CHECK(r == CUDA_SUCCESS, "maxsim: head_forward: cuTensorMapEncodeTiled failed (%d)", (int)r);
   return map;
 }
 
@@ -82,8 +83,8 @@ at::Tensor head_forward_cuda(const at::Tensor& q_in, const at::Tensor& h_in, con
   TORCH_CHECK(d_out == head::kHeadDout && q_in.size(2) == d_out, "maxsim: head_forward: d_out must be 128");
   TORCH_CHECK(h_in.size(2) == d_model && d_model > 0 && d_model % 64 == 0,
               "maxsim: head_forward: d_model must be a positive multiple of 64");
-  TORCH_CHECK(Nq * Lq <= head::kHeadMaxQ, "maxsim: head_forward: at most ", head::kHeadMaxQ,
-              " query tokens (Nq * Lq)");
+  MAXSIM_CHECK(Nq * Lq <= head::kHeadMaxQ, "maxsim: head_forward: at most %d query tokens (Nq * Lq)",
+               head::kHeadMaxQ);
   TORCH_CHECK(!b_in || (b_in->dim() == 1 && b_in->size(0) == d_out), "maxsim: head_forward: b must be [d_out]");
   TORCH_CHECK(!q_mask_in || (q_mask_in->scalar_type() == at::kBool && q_mask_in->sizes() == at::IntArrayRef{Nq, Lq}),
               "maxsim: head_forward: q_mask must be bool [Nq, Lq]");
