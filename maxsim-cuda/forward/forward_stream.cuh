@@ -73,6 +73,39 @@ __device__ __forceinline__ uint32_t u4_word(const uint4& v, int w) {
   return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w;
 }
 
+// One query row's words of the A fragments (h = 0: row g of the 16-row tile,
+// h = 1: row g + 8) from the lane's W vectors of that row: words 2s, 2s + 1
+// of k step s, the documents' k order (see the header).
+template <int KS, int W>
+__device__ __forceinline__ void query_row_words(uint32_t (&a)[KS][4], int h, const uint4 (&seg)[W]) {
+#pragma unroll
+  for (int s = 0; s < KS; ++s) {
+    a[s][h] = u4_word(seg[s / 2], 2 * (s % 2));
+    a[s][2 + h] = u4_word(seg[s / 2], 2 * (s % 2) + 1);
+  }
+}
+
+// Columns 2c, 2c + 1 of an n tile fold into the query rows' running maxima
+// unless past the document or masked (v0, v1); IM: exact int32 products of
+// 8-bit rows (compared as integers).
+template <bool IM, int MT>
+__device__ __forceinline__ void fold_columns(float (&best)[MT][2], const float (&acc)[MT][4], bool v0, bool v1) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if constexpr (IM) {
+        const int none = __float_as_int(neg_inf());
+        best[mt][h] = __int_as_float(__vimax3_s32(__float_as_int(best[mt][h]),
+                                                  v0 ? __float_as_int(acc[mt][2 * h]) : none,
+                                                  v1 ? __float_as_int(acc[mt][2 * h + 1]) : none));
+      } else {
+        best[mt][h] = max_nan(best[mt][h],
+                              max_nan(v0 ? acc[mt][2 * h] : neg_inf(), v1 ? acc[mt][2 * h + 1] : neg_inf()));
+      }
+    }
+}
+
 // A 16-byte streamed load (evict first) with the L2 256-byte prefetch hint:
 // a quad reads 64 bytes of a token per load, and the rest of its row (and,
 // for rows under 256 bytes, the next token's) is then already on its way
@@ -374,11 +407,7 @@ __global__ void __launch_bounds__(NW * 32) stream_fwd_kernel(const FwdParams p) 
           for (int w = 0; w < W; ++w) seg[w] = __ldg(src + w * vs);
         }
       }
-#pragma unroll
-      for (int s = 0; s < KS; ++s) {
-        a[mt][s][h] = u4_word(seg[s / 2], 2 * (s % 2));
-        a[mt][s][2 + h] = u4_word(seg[s / 2], 2 * (s % 2) + 1);
-      }
+      query_row_words<KS, W>(a[mt], h, seg);
     }
 
   // fp8: Hopper's fp8 mma.sync issues below the f16 rate; every e4m3 value is exact in f16, so each word
@@ -433,28 +462,11 @@ __global__ void __launch_bounds__(NW * 32) stream_fwd_kernel(const FwdParams p) 
               acc[mt][e] = doc_sc ? x : x * (e & 1 ? dsc[u].y : dsc[u].x);
             }
         }
-        // Columns 2c, 2c + 1 of the tile fold into the row maxima unless past
-        // the document or masked. Whether the tile is whole and unmasked is
-        // the same for the warp's lanes, so only the last tile (or a masked
-        // document) pays the per-column tests.
-        auto fold = [&](bool v0, bool v1) {
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              if constexpr (IM) {
-                const int none = __float_as_int(neg_inf());
-                best[mt][h] = __int_as_float(__vimax3_s32(__float_as_int(best[mt][h]),
-                                                          v0 ? __float_as_int(acc[mt][2 * h]) : none,
-                                                          v1 ? __float_as_int(acc[mt][2 * h + 1]) : none));
-              } else {
-                best[mt][h] = max_nan(best[mt][h], max_nan(v0 ? acc[mt][2 * h] : neg_inf(),
-                                                           v1 ? acc[mt][2 * h + 1] : neg_inf()));
-              }
-            }
-        };
+        // Whether the tile is whole and unmasked is the same for the warp's
+        // lanes, so only the last tile (or a masked document) pays the
+        // per-column tests.
         if (t * 8 + 8 <= dl && p.d_mask == nullptr) {
-          fold(true, true);
+          fold_columns<IM>(best, acc, true, true);
         } else {
           const int j0 = t * 8 + 2 * c;
           bool v0 = j0 < dl, v1 = j0 + 1 < dl;
@@ -462,7 +474,7 @@ __global__ void __launch_bounds__(NW * 32) stream_fwd_kernel(const FwdParams p) 
             v0 = v0 && p.d_mask[(int64_t)ds + j0];
             v1 = v1 && p.d_mask[(int64_t)ds + j0 + 1];
           }
-          fold(v0, v1);
+          fold_columns<IM>(best, acc, v0, v1);
         }
       }
       fetch(u);

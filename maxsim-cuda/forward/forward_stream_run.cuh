@@ -124,11 +124,7 @@ __global__ void __launch_bounds__(kStreamWarps * 32, kStreamRunMinBlocks) stream
 #pragma unroll
         for (int w = 0; w < W; ++w) seg[w] = __ldg(src + w * vs);
       }
-#pragma unroll
-      for (int s = 0; s < KS; ++s) {
-        a[mt][s][h] = u4_word(seg[s / 2], 2 * (s % 2));
-        a[mt][s][2 + h] = u4_word(seg[s / 2], 2 * (s % 2) + 1);
-      }
+      query_row_words<KS, W>(a[mt], h, seg);
     }
   bool qrow = qok && lane < ql;
   if (qrow && p.q_mask != nullptr) qrow = p.q_mask[(int64_t)qs + lane];
@@ -173,17 +169,9 @@ __global__ void __launch_bounds__(kStreamWarps * 32, kStreamRunMinBlocks) stream
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt) Mma<T>::run(acc[mt], a[mt][s], b);
         }
-        auto fold = [&](bool v0, bool v1) {
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-              best[mt][h] = max_nan(best[mt][h], max_nan(v0 ? acc[mt][2 * h] : neg_inf(),
-                                                         v1 ? acc[mt][2 * h + 1] : neg_inf()));
-        };
         const int cdl = max(cle, 0);
         if (ct + 8 <= cdl && p.d_mask == nullptr) {
-          fold(true, true);
+          fold_columns<false>(best, acc, true, true);
         } else {
           const int j0 = ct + 2 * c;
           bool v0 = j0 < cdl, v1 = j0 + 1 < cdl;
@@ -191,7 +179,7 @@ __global__ void __launch_bounds__(kStreamWarps * 32, kStreamRunMinBlocks) stream
             v0 = v0 && p.d_mask[(int64_t)cds + j0];
             v1 = v1 && p.d_mask[(int64_t)cds + j0 + 1];
           }
-          fold(v0, v1);
+          fold_columns<false>(best, acc, v0, v1);
         }
         // The slot is free: refill it before this document's epilogue.
         fetch(u);
