@@ -71,6 +71,7 @@
 #include <type_traits>
 
 #include "../common/common.cuh"
+#include "../common/smem_opt_in.h"
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define MAXSIM_WG_DEVICE 1
@@ -889,23 +890,8 @@ inline PFN_cuTensorMapEncodeTiled_v12000 wg_encode_fn() {
 
 template <typename T, int NKB, bool ARG, int SC, bool MS = false>
 inline bool wg_kernel_ready() {
-  // Per device: raise the dynamic shared-memory limit once and check that the
-  // kernel was compiled with its sm_90a body (an empty stub otherwise: no
-  // static shared memory).
-  static int state[64] = {0};  // 0 unknown, 1 ready, -1 unavailable
-  int dev = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  if (dev >= 64) return false;
-  if (state[dev] == 0) {
-    cudaFuncAttributes attr{};
-    bool ok = cudaFuncGetAttributes(&attr, wg_fwd_kernel<T, NKB, ARG, SC, MS>) == cudaSuccess && attr.sharedSizeBytes > 0;
-    if (ok)
-      ok = cudaFuncSetAttribute(wg_fwd_kernel<T, NKB, ARG, SC, MS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                WgCfg<NKB>::SMEM) == cudaSuccess;
-    if (!ok) (void)cudaGetLastError();
-    state[dev] = ok ? 1 : -1;
-  }
-  return state[dev] == 1;
+  static int state[kSmemOptInDevices] = {};
+  return sm90a_kernel_ready(wg_fwd_kernel<T, NKB, ARG, SC, MS>, WgCfg<NKB>::SMEM, state);
 }
 
 // Launches the persistent kernel of the plan over work items [item0, item0 +

@@ -17,23 +17,11 @@ namespace maxsim {
 namespace {
 
 // The kernel for T, its dynamic shared memory opted in; false when this
-// build lacks its sm_90a body (a stub without static shared memory).
-template <typename T, int MT>
+// build lacks its sm_90a body.
+template <typename T>
 bool head_kernel_ready() {
-  static int state[kSmemOptInDevices] = {};  // 0 unknown, 1 ready, -1 unavailable
-  int dev = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  if (dev >= kSmemOptInDevices) return false;
-  if (state[dev] == 0) {
-    cudaFuncAttributes attr{};
-    bool ok = cudaFuncGetAttributes(&attr, head::head_fused_kernel<T, MT>) == cudaSuccess && attr.sharedSizeBytes > 0;
-    if (ok)
-      ok = cudaFuncSetAttribute(head::head_fused_kernel<T, MT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                head::HeadCfg<MT>::SMEM) == cudaSuccess;
-    if (!ok) (void)cudaGetLastError();
-    state[dev] = ok ? 1 : -1;
-  }
-  return state[dev] == 1;
+  static int state[kSmemOptInDevices] = {};
+  return sm90a_kernel_ready(head::head_fused_kernel<T, head::kHeadMT>, head::HeadCfg<head::kHeadMT>::SMEM, state);
 }
 
 // A 2-D tensor map over rows x cols of 16-bit T (row-major, contiguous),
@@ -128,26 +116,23 @@ at::Tensor head_forward_cuda(const at::Tensor& q_in, const at::Tensor& h_in, con
   dispatch_float_type(dt, [&](auto tv) {
     using T = decltype(tv);
     if constexpr (kIs16Bit<T>) {
-      const auto go = [&](auto mt) {
-        constexpr int MT = decltype(mt)::value;
-        constexpr int BM = head::HeadCfg<MT>::BM;
-        TORCH_CHECK((head_kernel_ready<T, MT>()), "maxsim: head_forward: this build lacks the sm_90a kernel");
-        const int sms = std::max(1, prop->multiProcessorCount);
-        const int64_t ntiles = (rows + BM - 1) / BM;
-        const int groups = head_query_groups(ntiles, p.nqc, sms);
-        p.qcpg = (p.nqc + groups - 1) / groups;
-        p.qgroups = (p.nqc + p.qcpg - 1) / p.qcpg;  // none empty
-        p.nwork = ntiles * p.qgroups;
-        const unsigned grid = (unsigned)std::min<int64_t>(p.nwork, sms);
-        const CUtensorMap hmap = head_map<T>(h.data_ptr(), rows, d_model, BM, CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
-        const CUtensorMap wmap =
-            head_map<T>(w.data_ptr(), d_out, d_model, head::kHeadDout, CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
-        const CUtensorMap qmap =
-            head_map<T>(q.data_ptr(), nqv, d_out, head::kHeadNQ, CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
-        launch_pdl(head::head_fused_kernel<T, MT>, dim3(grid), dim3(head::kHeadThreads),
-                   (size_t)head::HeadCfg<MT>::SMEM, stream, hmap, wmap, qmap, p);
-      };
-      go(std::integral_constant<int, head::kHeadMT>{});
+      constexpr int MT = head::kHeadMT;
+      constexpr int BM = head::HeadCfg<MT>::BM;
+      TORCH_CHECK(head_kernel_ready<T>(), "maxsim: head_forward: this build lacks the sm_90a kernel");
+      const int sms = std::max(1, prop->multiProcessorCount);
+      const int64_t ntiles = (rows + BM - 1) / BM;
+      const int groups = head_query_groups(ntiles, p.nqc, sms);
+      p.qcpg = (p.nqc + groups - 1) / groups;
+      p.qgroups = (p.nqc + p.qcpg - 1) / p.qcpg;  // none empty
+      p.nwork = ntiles * p.qgroups;
+      const unsigned grid = (unsigned)std::min<int64_t>(p.nwork, sms);
+      const CUtensorMap hmap = head_map<T>(h.data_ptr(), rows, d_model, BM, CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
+      const CUtensorMap wmap =
+          head_map<T>(w.data_ptr(), d_out, d_model, head::kHeadDout, CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
+      const CUtensorMap qmap =
+          head_map<T>(q.data_ptr(), nqv, d_out, head::kHeadNQ, CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
+      launch_pdl(head::head_fused_kernel<T, MT>, dim3(grid), dim3(head::kHeadThreads),
+                 (size_t)head::HeadCfg<MT>::SMEM, stream, hmap, wmap, qmap, p);
     }
   });
   const int64_t n = Nq * Nd;
