@@ -64,6 +64,43 @@ def test_shared_short_documents(ms, device, dtype, ld):
 
 
 @pytest.mark.parametrize("dtype", SHORT_DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("ld", [1, 2, 4, 8, 16, 32, 64, 128, 192])
+@pytest.mark.parametrize("nq,lq", [(9, 32), (21, 5)])
+def test_documents_of_one_length(ms, device, dtype, ld, nq, lq):
+    """Every document of one length (the packed kernel's aligned epilogue:
+    whole documents per lane, half or a quarter of one, or whole column
+    tiles each), forced packed: token masks with holes and a fully masked
+    document, query masks, a NaN token, 32- and 8-row query slots, shared
+    documents and per-query candidates."""
+    g = torch.Generator().manual_seed(ld * 100 + lq)
+    nd, dim = 701 if ld <= 64 else 97, 128
+    Q = rand(nq, lq, dim, dtype=dtype, device=device, gen=g)
+    D = rand(nd, ld, dim, dtype=dtype, device=device, gen=g)
+    D[5, ld // 2, 7] = float("nan")
+    dm = torch.rand(nd, ld, generator=g) > 0.2
+    dm[3] = False
+    dm[5, ld // 2] = True
+    qm = torch.rand(nq, lq, generator=g) > 0.1
+    qm[:, 0] = True
+    qm, dm = qm.to(device), dm.to(device)
+    with _packed_on(ms, device):
+        out = ms.maxsim(Q, D, qm, dm)
+        plain = ms.maxsim(Q, D)
+        K = nd // nq
+        cand = ms.maxsim(Q, D[: nq * K].reshape(nq, K, ld, dim), qm, dm[: nq * K].reshape(nq, K, ld))
+    ref = ms.maxsim_reference(Q, D, qm, dm)
+    assert torch.isnan(plain.cpu()[:, 5]).all() and torch.isnan(out.cpu()[:, 5]).all()
+    keep = torch.ones(nd, dtype=torch.bool)
+    keep[5] = False
+    assert_close(out.cpu()[:, keep], ref.cpu()[:, keep], dtype)
+    assert torch.all(out.cpu()[:, 3] == 0)
+    assert_close(plain.cpu()[:, keep], ms.maxsim_reference(Q, D).cpu()[:, keep], dtype)
+    cref = torch.stack([ref[i, i * K:(i + 1) * K] for i in range(nq)])
+    ckeep = torch.stack([keep[i * K:(i + 1) * K] for i in range(nq)])
+    assert_close(cand.cpu()[ckeep], cref.cpu()[ckeep], dtype)
+
+
+@pytest.mark.parametrize("dtype", SHORT_DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("nq,lq", [(33, 8), (4, 32), (130, 1), (21, 12), (45, 3), (64, 2)])
 def test_ragged_packed_documents_with_argmax(ms, device, dtype, nq, lq):
     """score_contrastive over 900 packed documents of 0-48 tokens (so the

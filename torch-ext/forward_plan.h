@@ -155,7 +155,7 @@ constexpr int kPackedMaxDocs = 512;    // documents per CTA, at most
 constexpr int64_t kPackedMaxMeanLd = 32;  // the rule's mean document length, at most
 constexpr int64_t kPackedMaxMeanLdArgmaxWg = 20;  // the same with an argmax where wgmma takes the call
 constexpr int64_t packed_smem(int ks) {
-  return (int64_t)(kPackedStages * kPackedBN + kPackedBM) * ks * 32;  // tile ring, query staging
+  return (int64_t)(kPackedStages * kPackedBN + kPackedBM) * ks * 32 + 1024;  // tile ring, query staging, alignment
 }
 // Query rows per slot: the power of two >= lq (lq <= 32).
 constexpr int packed_rows(int64_t lq) {

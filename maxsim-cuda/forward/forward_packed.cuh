@@ -27,6 +27,7 @@
 
 #include "../common/common.cuh"
 #include "../common/smem_opt_in.h"
+#include "../forward_sm90a/forward_wgmma.cuh"  // WgMma (RS), wg_desc, wgmma fences (sm_90a)
 
 namespace maxsim {
 namespace cuda_fwd {
@@ -41,6 +42,18 @@ using plan::kPackedThreads;
 template <int RB>
 __device__ __forceinline__ uint32_t packed_swz(int r, int c) {
   return (uint32_t)(r * RB + ((c ^ (r & 7)) << 4));
+}
+
+// Byte offset of 16-byte chunk c of row r in a document tile: the layout
+// above, or on sm_90a wgmma's K-major 128B-swizzle layout (128-byte column
+// blocks of BN rows, 8-row groups 1024 B apart).
+template <int RB>
+__device__ __forceinline__ uint32_t packed_tile_swz(int r, int c) {
+#if MAXSIM_WG_DEVICE
+  return (uint32_t)((c >> 3) * (kPackedBN * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+#else
+  return packed_swz<RB>(r, c);
+#endif
 }
 
 // Tile column n (B row n, accumulator column jn * 8 + 2 * quad + e) holds
@@ -103,7 +116,7 @@ __global__ void __launch_bounds__(kPackedThreads, 2) packed_fwd_kernel(FwdParams
   __shared__ long long warp_tot[NTH / 32];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const uint32_t ring = smem_u32(smem);
+  const uint32_t ring = (smem_u32(smem) + 1023u) & ~1023u;  // wgmma: 1024-byte aligned tiles
   const uint32_t q_s = ring + (uint32_t)(STAGES * BN * RB);  // query staging
 
   // ---- work item: M tile, documents [u0, u1) of one group ---------------------
@@ -134,8 +147,11 @@ __global__ void __launch_bounds__(kPackedThreads, 2) packed_fwd_kernel(FwdParams
   }
 
   // ---- document table: starts, validity, prefix of lengths --------------------
-  bool any_empty = false;
+  bool any_empty = false, same_len = true;
+  int len0 = 0;  // the first document's length
   {
+    int ds0;
+    doc_ok(p, u0, ds0, len0);
     constexpr int PER = kPackedMaxDocs / NTH;
     long long tot = 0;
     int len[PER];
@@ -149,6 +165,7 @@ __global__ void __launch_bounds__(kPackedThreads, 2) packed_fwd_kernel(FwdParams
         dstart[j] = ds;
         dvalid[j] = ok;
         any_empty |= dl == 0;
+        same_len &= ok && dl == len0;
       }
       len[e] = dl;
       tot += dl;
@@ -172,7 +189,16 @@ __global__ void __launch_bounds__(kPackedThreads, 2) packed_fwd_kernel(FwdParams
     if (tid == NTH - 1 && nd == kPackedMaxDocs) cs[nd] = base;
   }
   any_empty = __syncthreads_or(any_empty);
+  same_len = __syncthreads_and(same_len);
   const long long total = cs[nd];
+  // Documents of one length L, a power of two <= BN (mode log2 L) or a
+  // multiple of BN (mode 7, tpd tiles each), start at aligned stream
+  // columns: the epilogue takes their maxima without the segmented scan.
+  const int tpd = len0 / BN;
+  const int umode = ARG || !same_len || len0 <= 0                ? -1
+                    : (len0 & (len0 - 1)) == 0 && len0 <= BN     ? __ffs(len0) - 1
+                    : len0 % BN == 0                             ? 7
+                                                                 : -1;
   const int nch = (int)((total + BN - 1) / BN);  // total < 2^31 (planner: Td < 2^31)
   const bool has_mask = p.d_mask != nullptr;
 
@@ -199,13 +225,17 @@ __global__ void __launch_bounds__(kPackedThreads, 2) packed_fwd_kernel(FwdParams
     bool st = false, en = false;
     mval = false;
     if (gc < total) {
-      int hi = nd - 1;
-      while (lo < hi) {
-        const int mid = (lo + hi + 1) >> 1;
-        if (cs[mid] <= gc)
-          lo = mid;
-        else
-          hi = mid - 1;
+      if (same_len) {
+        lo = (int)(gc / len0);  // documents of one length: cs[j] = j * len0
+      } else {
+        int hi = nd - 1;
+        while (lo < hi) {
+          const int mid = (lo + hi + 1) >> 1;
+          if (cs[mid] <= gc)
+            lo = mid;
+          else
+            hi = mid - 1;
+        }
       }
       tok = dstart[lo] + (int)(gc - cs[lo]);
       st = gc == cs[lo];
@@ -233,7 +263,7 @@ __global__ void __launch_bounds__(kPackedThreads, 2) packed_fwd_kernel(FwdParams
     for (int r = tid / UPR; r < BN; r += RSTEP) {
       const int tok = col_tok[ts][packed_stream_col(r)];
       const bool ok = tok >= 0;
-      cp_async<16>(dst + packed_swz<RB>(r, uc), ok ? (const void*)(p.d + (int64_t)tok * RB + uc * 16) : (const void*)p.d,
+      cp_async<16>(dst + packed_tile_swz<RB>(r, uc), ok ? (const void*)(p.d + (int64_t)tok * RB + uc * 16) : (const void*)p.d,
                    ok);
     }
   };
@@ -295,13 +325,67 @@ __global__ void __launch_bounds__(kPackedThreads, 2) packed_fwd_kernel(FwdParams
   const int rows_in_lane = R >= 32 ? 4 : R == 16 ? 2 : 1;
   const int lane_levels = R >= 8 ? 3 : R == 4 ? 2 : R == 2 ? 1 : 0;
 
-  const int b_hi = (lane >> 3) & 1;
-  const uint32_t b_row = (uint32_t)(((lane & 7) + ((lane >> 4) << 3)) * RB);
+  // Epilogue of one tile of documents of one length (umode LG): the lane's
+  // 16 columns hold 16 >> LG whole documents (LG <= 4), half of one (5), a
+  // quarter (6), or a quarter of a tile of one (7: the maxima carry over the
+  // document's tiles in cb). The same maxima and sums, in the same order, as
+  // the segmented scan below.
+  auto uniform_epilogue = [&](const float(&acc)[MT][NT][4], uint32_t v16, int ch, auto lg_c) {
+    constexpr int LG = decltype(lg_c)::value;
+    constexpr int N = LG <= 4 ? 16 >> LG : 1;  // documents per lane
+    constexpr int SPAN = LG <= 4 ? 1 << LG : 16;
+    const bool doc_end = LG < 7 || ch % tpd == tpd - 1;
+    const int doc0 = LG <= 4 ? (ch * BN + 16 * q) >> LG : LG == 5 ? (ch * BN + 16 * q) >> 5 : LG == 6 ? ch : ch / tpd;
+    const bool writer = (LG <= 4 || (LG == 5 ? (q & 1) == 0 : q == 0)) && (g & ((1 << lane_levels) - 1)) == 0;
+    float ps[N];
+#pragma unroll
+    for (int d = 0; d < N; ++d) ps[d] = 0.f;
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float v[16];
+#pragma unroll
+        for (int k = 0; k < 16; ++k) v[k] = (v16 >> k) & 1u ? acc[i][k >> 1][h * 2 + (k & 1)] : neg_inf();
+#pragma unroll
+        for (int s = 1; s < SPAN; s *= 2)
+#pragma unroll
+          for (int k = 0; k < 16; k += 2 * s) v[k] = max_nan(v[k], v[k + s]);
+        if (LG == 7) {
+          v[0] = max_nan(cb[i][h], v[0]);
+          cb[i][h] = doc_end ? neg_inf() : v[0];
+          if (!doc_end) continue;
+        }
+        if (LG >= 5) v[0] = max_nan(v[0], __shfl_xor_sync(0xffffffffu, v[0], 1));
+        if (LG >= 6) v[0] = max_nan(v[0], __shfl_xor_sync(0xffffffffu, v[0], 2));
+#pragma unroll
+        for (int d = 0; d < N; ++d) ps[d] += rc[i][h] && v[d * SPAN] != neg_inf() ? v[d * SPAN] : 0.f;
+        if ((i * 2 + h + 1) % rows_in_lane != 0) continue;
+        for (int l = 0; l < lane_levels; ++l)
+#pragma unroll
+          for (int d = 0; d < N; ++d) ps[d] += __shfl_xor_sync(0xffffffffu, ps[d], 4 << l);
+        const int slot = (warp * 32 + i * 16 + h * 8 + g) / R;
+        if (writer && slot_live(slot))
+#pragma unroll
+          for (int d = 0; d < N; ++d) {
+            const int dj = doc0 + d;
+            if (dj >= nd) continue;
+            const int64_t pr = cross ? slot_query(slot) * p.Nd + u0 + dj : u0 + dj;
+            store_score(p, pr, slot_qok[slot] && dvalid[dj], ps[d]);
+          }
+#pragma unroll
+        for (int d = 0; d < N; ++d) ps[d] = 0.f;
+      }
+  };
+
   bool pend = false;
   int pend_slot = -1;
   int s_cur = 0, t_cur = 0;  // ch % STAGES, ch % TS
   for (int ch = 0; ch < nch; ++ch) {
     cp_async_wait<STAGES - 2>();
+#if MAXSIM_WG_DEVICE
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // this thread's tile copies, to wgmma
+#endif
     __syncthreads();
     if (pend_slot >= 0) put_valid(pend_slot, pend);
     if (ch + STAGES - 1 < nch) issue((t_cur + STAGES - 1) % TS, (s_cur + STAGES - 1) % STAGES);
@@ -314,13 +398,36 @@ __global__ void __launch_bounds__(kPackedThreads, 2) packed_fwd_kernel(FwdParams
 
     // MMAs: 32 query rows x 64 columns per warp.
     float acc[MT][NT][4];
+#if !MAXSIM_WG_DEVICE
 #pragma unroll
     for (int i = 0; i < MT; ++i)
 #pragma unroll
       for (int jn = 0; jn < NT; ++jn)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[i][jn][e] = 0.f;
-    const uint32_t b_base = ring + (uint32_t)(s_cur * BN * RB) + b_row;
+#endif
+#if MAXSIM_WG_DEVICE
+    // One warpgroup: per k step a wgmma m64n64k16 per 16-row block of each
+    // warp's 32 rows (A: the warp's fragments, as for mma.sync; B: the tile).
+    {
+      const uint32_t stage = ring + (uint32_t)(s_cur * BN * RB);
+#pragma unroll
+      for (int i = 0; i < MT; ++i) cuda_fwd::wg_fence_acc<NT * 4>(&acc[i][0][0]);
+      cuda_fwd::wg_fence();
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+          WgMma<T>::n64(&acc[i][0][0], af[ks][i], wg_desc(stage + (uint32_t)((ks >> 2) * BN * 128 + (ks & 3) * 32)),
+                        ks != 0);
+      cuda_fwd::wg_commit();
+      cuda_fwd::wg_wait<0>();
+#pragma unroll
+      for (int i = 0; i < MT; ++i) cuda_fwd::wg_fence_acc<NT * 4>(&acc[i][0][0]);
+    }
+#else
+    const int b_hi = (lane >> 3) & 1;
+    const uint32_t b_base = ring + (uint32_t)(s_cur * BN * RB) + (uint32_t)(((lane & 7) + ((lane >> 4) << 3)) * RB);
     uint32_t bfr[2][NT][2];
     auto load_b = [&](int buf, int ks) {
 #pragma unroll
@@ -337,13 +444,30 @@ __global__ void __launch_bounds__(kPackedThreads, 2) packed_fwd_kernel(FwdParams
 #pragma unroll
         for (int jn = 0; jn < NT; ++jn) Mma<T>::run(acc[i][jn], af[ks][i], bfr[ks & 1][jn]);
     }
+#endif
 
-    // ---- epilogue ----------------------------------------------------------------
     const int ts = t_cur;
+    const uint32_t v16 = (col_bits[ts][2][q >> 1] >> (16 * (q & 1))) & 0xffffu;
+    if (umode >= 0) {
+      switch (umode) {
+        case 0: uniform_epilogue(acc, v16, ch, std::integral_constant<int, 0>{}); break;
+        case 1: uniform_epilogue(acc, v16, ch, std::integral_constant<int, 1>{}); break;
+        case 2: uniform_epilogue(acc, v16, ch, std::integral_constant<int, 2>{}); break;
+        case 3: uniform_epilogue(acc, v16, ch, std::integral_constant<int, 3>{}); break;
+        case 4: uniform_epilogue(acc, v16, ch, std::integral_constant<int, 4>{}); break;
+        case 5: uniform_epilogue(acc, v16, ch, std::integral_constant<int, 5>{}); break;
+        case 6: uniform_epilogue(acc, v16, ch, std::integral_constant<int, 6>{}); break;
+        default: uniform_epilogue(acc, v16, ch, std::integral_constant<int, 7>{}); break;
+      }
+      if (++s_cur == STAGES) s_cur = 0;
+      if (++t_cur == TS) t_cur = 0;
+      continue;
+    }
+
+    // ---- epilogue: documents of any lengths --------------------------------------
     const uint32_t w0 = col_bits[ts][0][0], w1 = col_bits[ts][0][1];
     const uint32_t st16 = ((q < 2 ? w0 : w1) >> (16 * (q & 1))) & 0xffffu;
     const uint32_t en16 = (col_bits[ts][1][q >> 1] >> (16 * (q & 1))) & 0xffffu;
-    const uint32_t v16 = (col_bits[ts][2][q >> 1] >> (16 * (q & 1))) & 0xffffu;
     // A start in quad lane t's columns (the carry stops there).
     const bool hs[4] = {(w0 & 0xffffu) != 0, (w0 >> 16) != 0, (w1 & 0xffffu) != 0, (w1 >> 16) != 0};
     // The end column of the head segment (the columns before this lane's
