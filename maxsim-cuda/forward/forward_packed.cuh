@@ -387,28 +387,12 @@ __global__ void __launch_bounds__(kPackedThreads, 2) packed_fwd_kernel(FwdParams
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // this thread's tile copies, to wgmma
 #endif
     __syncthreads();
-    if (pend_slot >= 0) put_valid(pend_slot, pend);
-    if (ch + STAGES - 1 < nch) issue((t_cur + STAGES - 1) % TS, (s_cur + STAGES - 1) % STAGES);
-    cp_async_commit();
-    pend_slot = -1;
-    if (tid < BN && ch + STAGES < nch) {
-      pend_slot = (t_cur + STAGES) % TS;
-      tile_table(ch + STAGES, pend_slot, pend);
-    }
-
     // MMAs: 32 query rows x 64 columns per warp.
     float acc[MT][NT][4];
-#if !MAXSIM_WG_DEVICE
-#pragma unroll
-    for (int i = 0; i < MT; ++i)
-#pragma unroll
-      for (int jn = 0; jn < NT; ++jn)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[i][jn][e] = 0.f;
-#endif
 #if MAXSIM_WG_DEVICE
     // One warpgroup: per k step a wgmma m64n64k16 per 16-row block of each
-    // warp's 32 rows (A: the warp's fragments, as for mma.sync; B: the tile).
+    // warp's 32 rows (A: the warp's fragments, as for mma.sync; B: the
+    // tile), running while the next tile's copies and table are issued.
     {
       const uint32_t stage = ring + (uint32_t)(s_cur * BN * RB);
 #pragma unroll
@@ -421,11 +405,27 @@ __global__ void __launch_bounds__(kPackedThreads, 2) packed_fwd_kernel(FwdParams
           WgMma<T>::n64(&acc[i][0][0], af[ks][i], wg_desc(stage + (uint32_t)((ks >> 2) * BN * 128 + (ks & 3) * 32)),
                         ks != 0);
       cuda_fwd::wg_commit();
-      cuda_fwd::wg_wait<0>();
-#pragma unroll
-      for (int i = 0; i < MT; ++i) cuda_fwd::wg_fence_acc<NT * 4>(&acc[i][0][0]);
     }
+#endif
+    if (pend_slot >= 0) put_valid(pend_slot, pend);
+    if (ch + STAGES - 1 < nch) issue((t_cur + STAGES - 1) % TS, (s_cur + STAGES - 1) % STAGES);
+    cp_async_commit();
+    pend_slot = -1;
+    if (tid < BN && ch + STAGES < nch) {
+      pend_slot = (t_cur + STAGES) % TS;
+      tile_table(ch + STAGES, pend_slot, pend);
+    }
+#if MAXSIM_WG_DEVICE
+    cuda_fwd::wg_wait<0>();
+#pragma unroll
+    for (int i = 0; i < MT; ++i) cuda_fwd::wg_fence_acc<NT * 4>(&acc[i][0][0]);
 #else
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+      for (int jn = 0; jn < NT; ++jn)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[i][jn][e] = 0.f;
     const int b_hi = (lane >> 3) & 1;
     const uint32_t b_base = ring + (uint32_t)(s_cur * BN * RB) + (uint32_t)(((lane & 7) + ((lane >> 4) << 3)) * RB);
     uint32_t bfr[2][NT][2];
