@@ -14,7 +14,9 @@
 //     short documents (mean <= kPackedMaxMeanLd tokens; with an argmax on
 //     sm_90a, kPackedMaxMeanLdArgmaxWg) shared by several
 //     queries (per-query candidates when forced): documents packed side by
-//     side into one tensor-core tile, reduced per document in the epilogue;
+//     side into one tensor-core tile (wgmma on sm_90a), reduced per
+//     document in the epilogue (aligned when a CTA's documents share one
+//     length, a segmented scan otherwise);
 //   * kStreamWg (sm_90a, fp16 / bf16 rows of 128 / 256 bytes): the staged
 //     wgmma stream, one query (or per-query candidates, pair lists) against
 //     documents of >= 64 tokens; also queries of 33-128 rows;

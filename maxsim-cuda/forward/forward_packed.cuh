@@ -1,5 +1,6 @@
-// Packed short documents (plan::Family::kPacked): fp16 / bf16 via mma.sync
-// m16n8k16, fp32 accumulation.
+// Packed short documents (plan::Family::kPacked): fp16 / bf16, fp32
+// accumulation; mma.sync m16n8k16, or on sm_90a wgmma m64n64k16 with the
+// same accumulator layout (so one epilogue serves both).
 //
 // The other tile kernels give every (query tile, document) its own column
 // tiles, so a document of 8 tokens costs a 64-column tile and an epilogue.
@@ -21,6 +22,9 @@
 // slot; a transposing shuffle reduction over the slot's lanes then leaves
 // each lane two columns' row sums, stored where a document ends. Documents
 // longer than a tile continue in the next one through the per-row carry.
+// When every document of a CTA has one length (a power of two <= BN, or a
+// multiple of BN) they start at aligned columns and the epilogue takes
+// their maxima directly, without the scan (uniform_epilogue).
 #pragma once
 
 #include <c10/cuda/CUDAException.h>
