@@ -138,6 +138,8 @@ __global__ void __launch_bounds__(kPackedThreads, 2) packed_fwd_kernel(FwdParams
   // Slot s: its query and whether it exists in this launch.
   auto slot_query = [&](int s) -> int64_t { return cross ? (int64_t)mt * p.qpt + s : grp; };
   auto slot_live = [&](int s) { return cross ? (s < p.qpt && slot_query(s) < p.Nq) : s == 0; };
+  // The pair of slot s and the CTA's document j.
+  auto pair_of = [&](int s, int j) -> int64_t { return cross ? slot_query(s) * p.Nd + u0 + j : u0 + j; };
 
   // ---- row tid: its query row ------------------------------------------------------
   {
@@ -213,7 +215,7 @@ __global__ void __launch_bounds__(kPackedThreads, 2) packed_fwd_kernel(FwdParams
     if (slot_live(slot))
       for (int j = 0; j < nd; ++j) {
         if (cs[j + 1] != cs[j]) continue;
-        const int64_t pr = cross ? slot_query(slot) * p.Nd + u0 + j : u0 + j;
+        const int64_t pr = pair_of(slot, j);
         if (qi == 0) store_score(p, pr, slot_qok[slot] && dvalid[j], 0.f);
         if (ARG && qi < p.lq) store_argmax(p, pr * p.lq + qi, -1);
       }
@@ -374,7 +376,7 @@ __global__ void __launch_bounds__(kPackedThreads, 2) packed_fwd_kernel(FwdParams
           for (int d = 0; d < N; ++d) {
             const int dj = doc0 + d;
             if (dj >= nd) continue;
-            const int64_t pr = cross ? slot_query(slot) * p.Nd + u0 + dj : u0 + dj;
+            const int64_t pr = pair_of(slot, dj);
             store_score(p, pr, slot_qok[slot] && dvalid[dj], ps[d]);
           }
 #pragma unroll
@@ -385,7 +387,8 @@ __global__ void __launch_bounds__(kPackedThreads, 2) packed_fwd_kernel(FwdParams
   bool pend = false;
   int pend_slot = -1;
   int s_cur = 0, t_cur = 0;  // ch % STAGES, ch % TS
-  for (int ch = 0; ch < nch; ++ch) {
+  for (int ch = 0; ch < nch;
+       ++ch, s_cur = s_cur + 1 == STAGES ? 0 : s_cur + 1, t_cur = t_cur + 1 == TS ? 0 : t_cur + 1) {
     cp_async_wait<STAGES - 2>();
 #if MAXSIM_WG_DEVICE
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // this thread's tile copies, to wgmma
@@ -400,15 +403,15 @@ __global__ void __launch_bounds__(kPackedThreads, 2) packed_fwd_kernel(FwdParams
     {
       const uint32_t stage = ring + (uint32_t)(s_cur * BN * RB);
 #pragma unroll
-      for (int i = 0; i < MT; ++i) cuda_fwd::wg_fence_acc<NT * 4>(&acc[i][0][0]);
-      cuda_fwd::wg_fence();
+      for (int i = 0; i < MT; ++i) wg_fence_acc<NT * 4>(&acc[i][0][0]);
+      wg_fence();
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks)
 #pragma unroll
         for (int i = 0; i < MT; ++i)
           WgMma<T>::n64(&acc[i][0][0], af[ks][i], wg_desc(stage + (uint32_t)((ks >> 2) * BN * 128 + (ks & 3) * 32)),
                         ks != 0);
-      cuda_fwd::wg_commit();
+      wg_commit();
     }
 #endif
     if (pend_slot >= 0) put_valid(pend_slot, pend);
@@ -420,9 +423,9 @@ __global__ void __launch_bounds__(kPackedThreads, 2) packed_fwd_kernel(FwdParams
       tile_table(ch + STAGES, pend_slot, pend);
     }
 #if MAXSIM_WG_DEVICE
-    cuda_fwd::wg_wait<0>();
+    wg_wait<0>();
 #pragma unroll
-    for (int i = 0; i < MT; ++i) cuda_fwd::wg_fence_acc<NT * 4>(&acc[i][0][0]);
+    for (int i = 0; i < MT; ++i) wg_fence_acc<NT * 4>(&acc[i][0][0]);
 #else
 #pragma unroll
     for (int i = 0; i < MT; ++i)
@@ -463,8 +466,6 @@ __global__ void __launch_bounds__(kPackedThreads, 2) packed_fwd_kernel(FwdParams
         case 6: uniform_epilogue(acc, v16, ch, std::integral_constant<int, 6>{}); break;
         default: uniform_epilogue(acc, v16, ch, std::integral_constant<int, 7>{}); break;
       }
-      if (++s_cur == STAGES) s_cur = 0;
-      if (++t_cur == TS) t_cur = 0;
       continue;
     }
 
@@ -532,7 +533,7 @@ __global__ void __launch_bounds__(kPackedThreads, 2) packed_fwd_kernel(FwdParams
           ps[k] += use ? ev[k] : 0.f;
           if (ARG && ((en16 >> k) & 1u) && live && qi < p.lq) {
             const int dj = col_doc[ts][16 * q + k];
-            const int64_t pr = cross ? slot_query(slot) * p.Nd + u0 + dj : u0 + dj;
+            const int64_t pr = pair_of(slot, dj);
             store_argmax(p, pr * p.lq + qi, use ? ei[k] - (int)cs[dj] : -1);
           }
         }
@@ -547,7 +548,7 @@ __global__ void __launch_bounds__(kPackedThreads, 2) packed_fwd_kernel(FwdParams
             const int k = kb + jj;
             if (!((en16 >> k) & 1u)) continue;
             const int dj = col_doc[ts][16 * q + k];
-            const int64_t pr = cross ? slot_query(slot) * p.Nd + u0 + dj : u0 + dj;
+            const int64_t pr = pair_of(slot, dj);
             store_score(p, pr, slot_qok[slot] && dvalid[dj], sum[jj]);
           }
         };
@@ -575,8 +576,6 @@ __global__ void __launch_bounds__(kPackedThreads, 2) packed_fwd_kernel(FwdParams
 #pragma unroll
         for (int k = 0; k < 16; ++k) ps[k] = 0.f;
       }
-    if (++s_cur == STAGES) s_cur = 0;
-    if (++t_cur == TS) t_cur = 0;
   }
   cp_async_wait_all();
 }
