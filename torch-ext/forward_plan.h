@@ -156,6 +156,10 @@ constexpr int kPackedStages = 4;
 constexpr int kPackedMaxDocs = 512;    // documents per CTA, at most
 constexpr int64_t kPackedMaxMeanLd = 32;  // the rule's mean document length, at most
 constexpr int64_t kPackedMaxMeanLdArgmaxWg = 20;  // the same with an argmax where wgmma takes the call
+// Documents padded to this many tokens (Td = Nd * kPackedPaddedLd): one
+// length per CTA, the aligned epilogue (four quad lanes a document), which
+// beats wgmma's tile per document there on sm_90a.
+constexpr int64_t kPackedPaddedLd = 64;
 constexpr int64_t packed_smem(int ks) {
   return (int64_t)(kPackedStages * kPackedBN + kPackedBM) * ks * 32 + 1024;  // tile ring, query staging, alignment
 }
@@ -571,9 +575,12 @@ inline bool packed_ok(const Request& r, const DeviceFacts& dev, bool scaled) {
 // With an argmax the packed epilogue's cost grows with the document length
 // while a wgmma tile's stays flat up to 64 tokens: wgmma overtakes it past
 // ~20 tokens (mma.sync does not, up to kPackedMaxMeanLd).
+// Padded 64-token documents without an argmax on sm_90a take the aligned
+// epilogue (a token mask leaves every document 64 columns long).
 inline bool packed_wins(const Request& r, const DeviceFacts& dev, int64_t mean_ld) {
   const int64_t max_ld = r.argmax && wgmma_takes(r, dev, false) ? kPackedMaxMeanLdArgmaxWg : kPackedMaxMeanLd;
-  return r.layout == kCross && r.Nq >= 2 && mean_ld <= max_ld && r.Nd >= 64;
+  const bool padded64 = !r.argmax && dev.arch == 90 && dev.wgmma_built && r.Td == r.Nd * kPackedPaddedLd;
+  return r.layout == kCross && r.Nq >= 2 && (mean_ld <= max_ld || padded64) && r.Nd >= 64;
 }
 
 // Documents per CTA and the grid: about two waves (at least kPackedMaxDocs
