@@ -568,10 +568,11 @@ inline bool packed_ok(const Request& r, const DeviceFacts& dev, bool scaled) {
 
 // Where it wins: several queries sharing many short documents (per
 // (query, document) pair the other families pay a 64-column tile; here a
-// document costs its own columns). Its epilogue costs more per column than
-// the tile kernels', so documents of 64 tokens go back to them; one query
-// and per-query candidates stream (3/4 of this kernel's tile rows would be
-// empty). Measurements: performance.md, many short documents.
+// document costs its own columns). Its scanned epilogue costs more per
+// column than the tile kernels', so longer documents go back to them (but
+// padded 64-token ones, below); one query and per-query candidates stream
+// (3/4 of this kernel's tile rows would be empty). Measurements:
+// performance.md, many short documents.
 // With an argmax the packed epilogue's cost grows with the document length
 // while a wgmma tile's stays flat up to 64 tokens: wgmma overtakes it past
 // ~20 tokens (mma.sync does not, up to kPackedMaxMeanLd).
