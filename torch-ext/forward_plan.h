@@ -577,7 +577,9 @@ inline bool packed_ok(const Request& r, const DeviceFacts& dev, bool scaled) {
 // while a wgmma tile's stays flat up to 64 tokens: wgmma overtakes it past
 // ~20 tokens (mma.sync does not, up to kPackedMaxMeanLd).
 // Padded 64-token documents without an argmax on sm_90a take the aligned
-// epilogue (a token mask leaves every document 64 columns long).
+// epilogue (a token mask leaves every document 64 columns long). The rule
+// sees only Td = 64 Nd: a ragged corpus of exactly that mean also matches
+// and takes the scan, which wgmma beats there.
 inline bool packed_wins(const Request& r, const DeviceFacts& dev, int64_t mean_ld) {
   const int64_t max_ld = r.argmax && wgmma_takes(r, dev, false) ? kPackedMaxMeanLdArgmaxWg : kPackedMaxMeanLd;
   const bool padded64 = !r.argmax && dev.arch == 90 && dev.wgmma_built && r.Td == r.Nd * kPackedPaddedLd;
