@@ -48,13 +48,14 @@ struct Decoder {
 
 at::Tensor plaid_approx_cpu(const at::Tensor& qcs_in, const at::Tensor& codes_in, const at::Tensor& d_start_in,
                             const at::Tensor& d_len_in, const std::optional<at::Tensor>& keep_in) {
-  TORCH_CHECK(qcs_in.dim() == 3 && qcs_in.scalar_type() == at::kFloat && qcs_in.device().is_cpu(),
-              "maxsim: plaid_approx qcs must be float32 [Nq, C, Lq]");
+  TORCH_CHECK(qcs_in.device().is_cpu(), "maxsim: plaid_approx_cpu takes CPU tensors");
+  plaid::check_score_table(qcs_in);
   TORCH_CHECK(codes_in.dim() == 1 && codes_in.scalar_type() == at::kInt && codes_in.device().is_cpu(),
               "maxsim: plaid_approx codes must be int32 [T]");
   plaid::check_segments(d_start_in, d_len_in, qcs_in.device());
   plaid::check_keep(keep_in, qcs_in);
-  const at::Tensor qcs = qcs_in.contiguous(), codes = codes_in.contiguous();
+  // 16-bit tables widen exactly: maxima and fp32 sums as on the GPU.
+  const at::Tensor qcs = qcs_in.to(at::kFloat).contiguous(), codes = codes_in.contiguous();
   const at::Tensor st = d_start_in.contiguous(), ln = d_len_in.contiguous();
   const int64_t nq = qcs.size(0), C = qcs.size(1), lq = qcs.size(2), nd = st.size(0), T = codes.size(0);
   const at::Tensor keep = keep_in ? keep_in->contiguous() : at::Tensor();

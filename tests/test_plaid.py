@@ -217,6 +217,34 @@ def test_approx_scores_centroid_pruning(ms, device, lq):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("lq", [1, 17, 32])
+def test_approx_scores_16bit_tables(ms, device, dtype, lq):
+    """A 16-bit table scores as its exact fp32 widening (maxima exact, fp32
+    sums), with and without centroid pruning, on both layouts; a table at
+    an odd offset takes the unvectorised loads."""
+    lens = [0, 1, 15, 40, 301, 7]
+    C = 23
+    lengths = torch.tensor(lens)
+    codes, res, cent, bw = _codec(ms, sum(lens), 8, C, 2, device, seed=lq + 11)
+    pc, _ = _padded(codes, res, lengths, max(lens))
+    g = torch.Generator().manual_seed(lq + 3)
+    qcs = torch.randn(3, C, lq, generator=g).to(dtype).to(device)
+    keep = (torch.rand(3, C, generator=g) < 0.4).to(device)
+    ref = ms.plaid.approx_scores_reference(qcs.double(), pc, lengths.to(device))
+    out = ms.plaid.approx_scores(qcs, pc, lengths.to(device))
+    assert out.dtype == torch.float32 and relerr(out, ref, floor=1.0) < 1e-6
+    assert relerr(ms.plaid.approx_scores(qcs, pc, lengths.to(device), keep=keep),
+                  ms.plaid.approx_scores_reference(qcs.double(), pc, lengths.to(device), keep), floor=1.0) < 1e-6
+    cu = torch.tensor([0] + torch.cumsum(lengths, 0).tolist(), dtype=torch.int32, device=device)
+    shifted = torch.empty(qcs.numel() + 1, dtype=dtype, device=device)[1:].view_as(qcs)
+    shifted.copy_(qcs)
+    assert relerr(ms.plaid.approx_scores(shifted, codes, cu_seqlens=cu), ref, floor=1.0) < 1e-6
+    # the fp32 widening gives the same scores: the 16-bit scan reads the same values
+    assert relerr(out, ms.plaid.approx_scores(qcs.float(), pc, lengths.to(device)), floor=1.0) < 1e-6
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_forward_pairs_and_argmax(ms, device):
     """plaid_forward's pair layout (search re-scoring) and argmax against the
     cross layout."""
@@ -244,6 +272,7 @@ def test_opcheck_fake_kernels(ms):
     ln = torch.tensor([10, 0, 20], dtype=torch.int32)
     q = torch.randn(2, 5, 10)
     torch.library.opcheck(ms.ops.plaid_approx.default, (torch.randn(2, 6, 5), codes, st, ln))
+    torch.library.opcheck(ms.ops.plaid_approx.default, (torch.randn(2, 6, 5, dtype=torch.float16), codes, st, ln))
     torch.library.opcheck(ms.ops.plaid_approx.default,
                           (torch.randn(2, 6, 5), codes, st, ln, torch.tensor([[1, 0, 1, 0, 1, 1]] * 2,
                                                                              dtype=torch.uint8)))

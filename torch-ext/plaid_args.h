@@ -19,6 +19,13 @@ inline void check_segments(const at::Tensor& d_start, const at::Tensor& d_len, c
               "maxsim: plaid d_start / d_len must be int32 [Nd] on the codes' device");
 }
 
+// plaid_approx's score table: fp32, fp16 or bf16 [Nq, C, Lq].
+inline void check_score_table(const at::Tensor& qcs) {
+  const at::ScalarType t = qcs.scalar_type();
+  TORCH_CHECK(qcs.dim() == 3 && (t == at::kFloat || t == at::kHalf || t == at::kBFloat16),
+              "maxsim: plaid_approx qcs must be float32, float16 or bfloat16 [Nq, C, Lq]");
+}
+
 // plaid_approx's centroid mask: uint8 [Nq, C] on qcs' device.
 inline void check_keep(const std::optional<at::Tensor>& keep, const at::Tensor& qcs) {
   if (!keep.has_value()) return;

@@ -191,8 +191,8 @@ using UniformSegmentsFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor& l
 // [2^nbits] fp32; document n owns tokens d_start[n] .. d_start[n]+d_len[n]-1
 // (int32 [Nd]; a length <= 0 is an empty document).
 //
-// plaid_approx: qcs [Nq, C, Lq] fp32 (query-token x centroid scores) ->
-// scores [Nq, Nd] fp32, score[i, n] = sum over s of max over the tokens t of
+// plaid_approx: qcs [Nq, C, Lq] fp32, fp16 or bf16 (query-token x centroid
+// scores) -> scores [Nq, Nd] fp32 (maxima exact, sums in fp32), score[i, n] = sum over s of max over the tokens t of
 // n of qcs[i, codes[t], s]; an empty document scores 0. With keep (uint8
 // [Nq, C], PLAID's centroid pruning) only the tokens whose centroid query i
 // keeps (non-zero) count, and a query token no kept token reaches adds 0.

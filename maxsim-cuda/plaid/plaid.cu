@@ -5,8 +5,8 @@
 // 64 document tokens into shared memory, feature-major (fp32, the
 // reference's bits, never written out), and scores them against 32 query
 // tokens as a register-tiled SIMT product (4 x 4 per thread). plaid_approx
-// gives each pair a warp: 4 tokens' score rows a load (8 lanes a row, a
-// float4 of query tokens each); with a centroid mask, a lane per query
+// gives each pair a warp: 4 tokens' score rows a load (8 lanes a row, 4
+// query tokens each, from an fp32 or 16-bit table); with a centroid mask, a lane per query
 // token over the kept tokens. plaid_backward gives each (query, query
 // token) a warp over the features, re-decompressing each document's
 // winning token.
@@ -16,6 +16,7 @@
 #include <cmath>
 #include <type_traits>
 
+#include "../common/convert.cuh"
 #include "../common/dtype_dispatch.cuh"
 #include "../common/smem_opt_in.h"
 #include "plaid_args.h"
@@ -235,12 +236,33 @@ __global__ void __launch_bounds__(kThreads, 4) plaid_forward_kernel(
 // 8 measured 5-8 % slower (fewer in flight; fewer warps for the registers).
 constexpr int kApproxBatch = 4;
 
+// One score of a T table (fp32 / fp16 / bf16) as fp32, exactly.
+template <typename T>
+__device__ __forceinline__ float load1(const T* p) {
+  return cuda_cvt::to_f(__ldg(p));
+}
+
+// Four consecutive scores of a T table, 4 * sizeof(T)-byte aligned: one
+// 16-byte load for fp32, one 8-byte load for 16-bit tables (the scan is bound
+// by these gathers, so a 16-bit table halves its bytes).
+template <typename T>
+__device__ __forceinline__ float4 load4(const T* p) {
+  if constexpr (std::is_same<T, float>::value) {
+    return __ldg(reinterpret_cast<const float4*>(p));
+  } else {
+    const uint2 u = __ldg(reinterpret_cast<const uint2*>(p));
+    const T* h = reinterpret_cast<const T*>(&u);
+    return make_float4(cuda_cvt::to_f(h[0]), cuda_cvt::to_f(h[1]), cuda_cvt::to_f(h[2]), cuda_cvt::to_f(h[3]));
+  }
+}
+
 // One warp per pair. Without a centroid mask a warp gathers 4 tokens' score
-// rows per load: lane = 8 r + g reads a float4, query tokens 4g .. 4g + 3,
-// of token slot r's row (VEC: Lq % 4 == 0 and the table 16-byte aligned;
-// else 4 guarded loads); the 4 slots' maxima are merged at the end.
-template <bool VEC>
-__global__ void plaid_approx_kernel(const float* __restrict__ qcs, const int32_t* __restrict__ codes,
+// rows per load: lane = 8 r + g reads query tokens 4g .. 4g + 3 of token
+// slot r's row (VEC: Lq % 4 == 0 and the table aligned, one vector load;
+// else 4 guarded loads); the 4 slots' maxima are merged at the end. Maxima
+// of the widened scores are the widened maxima, and sums stay fp32.
+template <typename T, bool VEC>
+__global__ void plaid_approx_kernel(const T* __restrict__ qcs, const int32_t* __restrict__ codes,
                                     const int32_t* __restrict__ d_start, const int32_t* __restrict__ d_len,
                                     const uint8_t* __restrict__ keep, int64_t n_centroids, int64_t lq, int64_t nd,
                                     int64_t pairs, int64_t tokens, float* __restrict__ out) {
@@ -254,7 +276,7 @@ __global__ void plaid_approx_kernel(const float* __restrict__ qcs, const int32_t
     if (lane == 0) out[p] = __int_as_float(0x7fc00000);
     return;
   }
-  const float* qi = qcs + i * n_centroids * lq;
+  const T* qi = qcs + i * n_centroids * lq;
   const uint8_t* ki = keep ? keep + i * n_centroids : nullptr;
   float score = 0.f;
   for (int64_t s0 = 0; s0 < lq; s0 += 32) {
@@ -275,7 +297,7 @@ __global__ void plaid_approx_kernel(const float* __restrict__ qcs, const int32_t
           const int j = __ffs(live) - 1;
           live &= live - 1u;
           const int32_t c = __shfl_sync(0xffffffffu, mine, j);
-          if (valid) m = fmaxf(m, qi[c * lq + s]);
+          if (valid) m = fmaxf(m, load1(qi + c * lq + s));
         }
       }
       score += warp_sum(valid && any ? m : 0.f);
@@ -295,14 +317,14 @@ __global__ void plaid_approx_kernel(const float* __restrict__ qcs, const int32_t
           const int32_t c = __shfl_sync(0xffffffffu, mine, tt & 31);
           v[u] = make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
           if (tt < cnt && sb < lq) {
-            const float* row = qi + (int64_t)c * lq + sb;
+            const T* row = qi + (int64_t)c * lq + sb;
             if constexpr (VEC) {
-              v[u] = __ldg(reinterpret_cast<const float4*>(row));
+              v[u] = load4(row);
             } else {
-              v[u].x = __ldg(row);
-              if (sb + 1 < lq) v[u].y = __ldg(row + 1);
-              if (sb + 2 < lq) v[u].z = __ldg(row + 2);
-              if (sb + 3 < lq) v[u].w = __ldg(row + 3);
+              v[u].x = load1(row);
+              if (sb + 1 < lq) v[u].y = load1(row + 1);
+              if (sb + 2 < lq) v[u].z = load1(row + 2);
+              if (sb + 3 < lq) v[u].w = load1(row + 3);
             }
           }
         }
@@ -388,8 +410,8 @@ Codec codec_of(const at::Tensor& codes, const at::Tensor& res, const at::Tensor&
 
 at::Tensor plaid_approx_cuda(const at::Tensor& qcs_in, const at::Tensor& codes_in, const at::Tensor& st_in,
                              const at::Tensor& ln_in, const std::optional<at::Tensor>& keep_in) {
-  TORCH_CHECK(qcs_in.is_cuda() && qcs_in.dim() == 3 && qcs_in.scalar_type() == at::kFloat,
-              "maxsim: plaid_approx qcs must be float32 [Nq, C, Lq]");
+  TORCH_CHECK(qcs_in.is_cuda(), "maxsim: plaid_approx_cuda takes CUDA tensors");
+  plaid::check_score_table(qcs_in);
   TORCH_CHECK(codes_in.dim() == 1 && codes_in.scalar_type() == at::kInt && codes_in.device() == qcs_in.device(),
               "maxsim: plaid_approx codes must be int32 [T] on qcs' device");
   plaid::check_segments(st_in, ln_in, qcs_in.device());
@@ -399,18 +421,22 @@ at::Tensor plaid_approx_cuda(const at::Tensor& qcs_in, const at::Tensor& codes_i
   const at::Tensor keep = keep_in ? keep_in->contiguous() : at::Tensor();
   const at::Tensor st = st_in.contiguous(), ln = ln_in.contiguous();
   const int64_t nq = qcs.size(0), nd = st.size(0), pairs = nq * nd;
-  at::Tensor out = at::empty({nq, nd}, qcs.options());
+  at::Tensor out = at::empty({nq, nd}, qcs.options().dtype(at::kFloat));
   if (pairs == 0) return out;
   const int threads = 256, per_block = threads / 32;
   const unsigned blocks = (unsigned)((pairs + per_block - 1) / per_block);
   const int64_t n_centroids = qcs.size(1), lq = qcs.size(2), tokens = codes.size(0);
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const bool vec = lq % 4 == 0 && aligned_to(qcs.data_ptr(), 16);
-  const auto kernel = vec ? plaid_approx_kernel<true> : plaid_approx_kernel<false>;
-  kernel<<<blocks, threads, 0, stream>>>(
-      qcs.data_ptr<float>(), codes.data_ptr<int32_t>(), st.data_ptr<int32_t>(), ln.data_ptr<int32_t>(),
-      keep_in ? keep.data_ptr<uint8_t>() : nullptr, n_centroids, lq, nd, pairs, tokens, out.data_ptr<float>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  dispatch_float_type(qcs.scalar_type(), [&](auto t) {
+    using T = decltype(t);
+    const bool vec = lq % 4 == 0 && aligned_to(qcs.data_ptr(), 4 * sizeof(T));
+    const auto kernel = vec ? plaid_approx_kernel<T, true> : plaid_approx_kernel<T, false>;
+    kernel<<<blocks, threads, 0, stream>>>(
+        static_cast<const T*>(qcs.data_ptr()), codes.data_ptr<int32_t>(), st.data_ptr<int32_t>(),
+        ln.data_ptr<int32_t>(), keep_in ? keep.data_ptr<uint8_t>() : nullptr, n_centroids, lq, nd, pairs, tokens,
+        out.data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
   return out;
 }
 

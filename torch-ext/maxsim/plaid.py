@@ -167,7 +167,7 @@ def compress(x: Tensor, centroids: Tensor, bucket_cutoffs: Tensor, nbits: int) -
 
 @meta_kernel(PLAID_APPROX)
 def _approx_fake(qcs, codes, d_start, d_len, keep=None):
-    return qcs.new_empty((qcs.shape[0], d_start.shape[0]))
+    return qcs.new_empty((qcs.shape[0], d_start.shape[0]), dtype=torch.float32)
 
 
 @meta_kernel(PLAID_FORWARD)
@@ -196,6 +196,8 @@ def _padded_tokens(values: Tensor, d_start: Tensor, d_len: Tensor, fill) -> tupl
 
 
 def _reference_approx(qcs, codes, d_start, d_len, keep=None):
+    if qcs.dtype in (torch.float16, torch.bfloat16):
+        qcs = qcs.float()  # exact; the sums in fp32 as the kernels do
     nq, C, _ = qcs.shape
     c = codes.long()
     c = torch.where((c >= 0) & (c < C), c, 0)
@@ -346,11 +348,16 @@ def approx_scores(query_centroid_scores: Tensor, codes: Tensor, doc_lengths: Opt
     An empty document scores 0. ``keep`` (bool ``[C]`` / ``[Nq, C]``,
     PLAID's centroid pruning, e.g. ``qcs.amax(-1) >= 0.45``): only tokens of
     kept centroids count (the scan skips the others' score rows), and a
-    query token that no kept token reaches adds 0. Returns fp32 ``[Nd]`` or
+    query token that no kept token reaches adds 0. An fp16 / bf16 table is
+    scanned as it is (half the bytes of fp32: the scan is bound by its
+    gathers); other dtypes are cast to fp32. Returns fp32 ``[Nd]`` or
     ``[Nq, Nd]``."""
     qcs = query_centroid_scores
     single = qcs.dim() == 2
-    qcs = (qcs[None] if single else qcs).float().contiguous()
+    qcs = qcs[None] if single else qcs
+    if qcs.dtype not in (torch.float16, torch.bfloat16):
+        qcs = qcs.float()
+    qcs = qcs.contiguous()
     if keep is not None:
         keep = (keep[None] if keep.dim() == 1 else keep).to(torch.uint8).expand(qcs.shape[0], -1).contiguous()
     if cu_seqlens is not None:
@@ -497,7 +504,9 @@ class PlaidIndex:
             # PLAID's centroid pruning: a centroid no query token scores at
             # least the threshold with is skipped by the scan.
             keep = (qcs.amax(2) >= centroid_threshold).to(torch.uint8)
-        approx = ops.plaid_approx(qcs, self.codes, self.starts, self.lengths, keep)  # [Nq, N]
+        # The scan gathers one score row per token: an fp16 table halves its
+        # bytes, and fp16's 11 bits only reorder near-ties the rerank settles.
+        approx = ops.plaid_approx(qcs.half(), self.codes, self.starts, self.lengths, keep)  # [Nq, N]
         if nprobe is not None and nprobe < self.centroids.shape[0]:
             # IVF: only documents holding a token of one of the nprobe best
             # centroids of some query token stay candidates.
