@@ -218,11 +218,11 @@ def test_approx_scores_centroid_pruning(ms, device, lq):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("lq", [1, 17, 32])
+@pytest.mark.parametrize("lq", [1, 17, 32, 36, 64])
 def test_approx_scores_16bit_tables(ms, device, dtype, lq):
     """A 16-bit table scores as its exact fp32 widening (maxima exact, fp32
-    sums), with and without centroid pruning, on both layouts; a table at
-    an odd offset takes the unvectorised loads."""
+    sums), with and without centroid pruning, on both layouts; Lq not a
+    multiple of 8 and a table at an odd offset take the unvectorised loads."""
     lens = [0, 1, 15, 40, 301, 7]
     C = 23
     lengths = torch.tensor(lens)

@@ -5,9 +5,9 @@
 // 64 document tokens into shared memory, feature-major (fp32, the
 // reference's bits, never written out), and scores them against 32 query
 // tokens as a register-tiled SIMT product (4 x 4 per thread). plaid_approx
-// gives each pair a warp: 4 tokens' score rows a load (8 lanes a row, 4
-// query tokens each, from an fp32 or 16-bit table); with a centroid mask, a lane per query
-// token over the kept tokens. plaid_backward gives each (query, query
+// gives each pair a warp: 16 bytes a lane, so 4 tokens' score rows a load
+// from an fp32 table and 8 from a 16-bit one; with a centroid mask, a lane
+// per query token over the kept tokens. plaid_backward gives each (query, query
 // token) a warp over the features, re-decompressing each document's
 // winning token.
 #include <ATen/cuda/CUDAContext.h>
@@ -232,8 +232,9 @@ __global__ void __launch_bounds__(kThreads, 4) plaid_forward_kernel(
   if (tid == 0) scores[p] = score;
 }
 
-// 4-token gathers a warp keeps in flight (16 score rows): on the H200 2 and
-// 8 measured 5-8 % slower (fewer in flight; fewer warps for the registers).
+// Loads a warp keeps in flight per batch (each gathers 16 bytes a lane): on
+// the H200 2 and 8 measured 5-8 % slower for fp32 tables (fewer in flight;
+// fewer warps for the registers).
 constexpr int kApproxBatch = 4;
 
 // One score of a T table (fp32 / fp16 / bf16) as fp32, exactly.
@@ -242,30 +243,44 @@ __device__ __forceinline__ float load1(const T* p) {
   return cuda_cvt::to_f(__ldg(p));
 }
 
-// Four consecutive scores of a T table, 4 * sizeof(T)-byte aligned: one
-// 16-byte load for fp32, one 8-byte load for 16-bit tables (the scan is bound
-// by these gathers, so a 16-bit table halves its bytes).
+// The scan's gather geometry for a T table: a lane reads 16 bytes, kVec
+// query tokens, so a row of 32 query tokens takes kLanesPerRow lanes and
+// one warp load gathers kRowsPerLoad tokens' rows (4 for fp32, 8 for
+// 16-bit tables, whose rows are half the bytes).
 template <typename T>
-__device__ __forceinline__ float4 load4(const T* p) {
-  if constexpr (std::is_same<T, float>::value) {
-    return __ldg(reinterpret_cast<const float4*>(p));
+struct ApproxGeometry {
+  static constexpr int kVec = 16 / (int)sizeof(T);
+  static constexpr int kLanesPerRow = 32 / kVec;
+  static constexpr int kRowsPerLoad = 32 / kLanesPerRow;
+};
+
+// kVec consecutive scores as fp32: one 16-byte load (VEC: the row segment
+// is 16-byte aligned and inside the row), else guarded scalar loads.
+template <typename T, bool VEC>
+__device__ __forceinline__ void load_scores(const T* p, int64_t avail, float (&v)[ApproxGeometry<T>::kVec]) {
+  constexpr int kVec = ApproxGeometry<T>::kVec;
+  if constexpr (VEC) {
+    const uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
+    const T* x = reinterpret_cast<const T*>(&u);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) v[k] = cuda_cvt::to_f(x[k]);
   } else {
-    const uint2 u = __ldg(reinterpret_cast<const uint2*>(p));
-    const T* h = reinterpret_cast<const T*>(&u);
-    return make_float4(cuda_cvt::to_f(h[0]), cuda_cvt::to_f(h[1]), cuda_cvt::to_f(h[2]), cuda_cvt::to_f(h[3]));
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) v[k] = k < avail ? load1(p + k) : -INFINITY;
   }
 }
 
-// One warp per pair. Without a centroid mask a warp gathers 4 tokens' score
-// rows per load: lane = 8 r + g reads query tokens 4g .. 4g + 3 of token
-// slot r's row (VEC: Lq % 4 == 0 and the table aligned, one vector load;
-// else 4 guarded loads); the 4 slots' maxima are merged at the end. Maxima
-// of the widened scores are the widened maxima, and sums stay fp32.
+// One warp per pair. Without a centroid mask a warp gathers kRowsPerLoad
+// tokens' score rows per load: lane = kLanesPerRow r + g reads query tokens
+// kVec g .. kVec g + kVec - 1 of token slot r's row (VEC: Lq % kVec == 0
+// and the table 16-byte aligned); the slots' maxima are merged at the end.
+// Maxima of the widened scores are the widened maxima, and sums stay fp32.
 template <typename T, bool VEC>
 __global__ void plaid_approx_kernel(const T* __restrict__ qcs, const int32_t* __restrict__ codes,
                                     const int32_t* __restrict__ d_start, const int32_t* __restrict__ d_len,
                                     const uint8_t* __restrict__ keep, int64_t n_centroids, int64_t lq, int64_t nd,
                                     int64_t pairs, int64_t tokens, float* __restrict__ out) {
+  using G = ApproxGeometry<T>;
   const int lane = threadIdx.x & 31;
   const int64_t p = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (p >= pairs) return;
@@ -303,49 +318,36 @@ __global__ void plaid_approx_kernel(const T* __restrict__ qcs, const int32_t* __
       score += warp_sum(valid && any ? m : 0.f);
       continue;
     }
-    const int r = lane >> 3;
-    const int64_t sb = s0 + 4 * (lane & 7);
-    float4 mx = make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
+    const int r = lane / G::kLanesPerRow;
+    const int64_t sb = s0 + G::kVec * (lane % G::kLanesPerRow);
+    float mx[G::kVec];
+#pragma unroll
+    for (int k = 0; k < G::kVec; ++k) mx[k] = -INFINITY;
     for (int64_t t0 = 0; t0 < len; t0 += 32) {
       const int cnt = len - t0 < 32 ? (int)(len - t0) : 32;
       const int32_t mine = lane < cnt ? plaid::clamp_code(codes[start + t0 + lane], n_centroids) : 0;
-      for (int j = 0; j < cnt; j += 4 * kApproxBatch) {
-        float4 v[kApproxBatch];
+      for (int j = 0; j < cnt; j += G::kRowsPerLoad * kApproxBatch) {
+        float v[kApproxBatch][G::kVec];
 #pragma unroll
         for (int u = 0; u < kApproxBatch; ++u) {
-          const int tt = j + 4 * u + r;
+          const int tt = j + G::kRowsPerLoad * u + r;
           const int32_t c = __shfl_sync(0xffffffffu, mine, tt & 31);
-          v[u] = make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
-          if (tt < cnt && sb < lq) {
-            const T* row = qi + (int64_t)c * lq + sb;
-            if constexpr (VEC) {
-              v[u] = load4(row);
-            } else {
-              v[u].x = load1(row);
-              if (sb + 1 < lq) v[u].y = load1(row + 1);
-              if (sb + 2 < lq) v[u].z = load1(row + 2);
-              if (sb + 3 < lq) v[u].w = load1(row + 3);
-            }
-          }
+#pragma unroll
+          for (int k = 0; k < G::kVec; ++k) v[u][k] = -INFINITY;
+          if (tt < cnt && sb < lq) load_scores<T, VEC>(qi + (int64_t)c * lq + sb, lq - sb, v[u]);
         }
 #pragma unroll
         for (int u = 0; u < kApproxBatch; ++u)
-          mx = make_float4(fmaxf(mx.x, v[u].x), fmaxf(mx.y, v[u].y), fmaxf(mx.z, v[u].z), fmaxf(mx.w, v[u].w));
+#pragma unroll
+          for (int k = 0; k < G::kVec; ++k) mx[k] = fmaxf(mx[k], v[u][k]);
       }
     }
-#pragma unroll
-    for (int o = 8; o < 32; o <<= 1) {
-      mx.x = fmaxf(mx.x, __shfl_xor_sync(0xffffffffu, mx.x, o));
-      mx.y = fmaxf(mx.y, __shfl_xor_sync(0xffffffffu, mx.y, o));
-      mx.z = fmaxf(mx.z, __shfl_xor_sync(0xffffffffu, mx.z, o));
-      mx.w = fmaxf(mx.w, __shfl_xor_sync(0xffffffffu, mx.w, o));
-    }
     float part = 0.f;
-    if (r == 0 && len > 0) {
-      const float e[4] = {mx.x, mx.y, mx.z, mx.w};
 #pragma unroll
-      for (int k = 0; k < 4; ++k)
-        if (sb + k < lq) part += e[k];
+    for (int k = 0; k < G::kVec; ++k) {
+#pragma unroll
+      for (int o = G::kLanesPerRow; o < 32; o <<= 1) mx[k] = fmaxf(mx[k], __shfl_xor_sync(0xffffffffu, mx[k], o));
+      if (r == 0 && len > 0 && sb + k < lq) part += mx[k];
     }
     score += warp_sum(part);
   }
@@ -429,7 +431,7 @@ at::Tensor plaid_approx_cuda(const at::Tensor& qcs_in, const at::Tensor& codes_i
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   dispatch_float_type(qcs.scalar_type(), [&](auto t) {
     using T = decltype(t);
-    const bool vec = lq % 4 == 0 && aligned_to(qcs.data_ptr(), 4 * sizeof(T));
+    const bool vec = lq % ApproxGeometry<T>::kVec == 0 && aligned_to(qcs.data_ptr(), 16);
     const auto kernel = vec ? plaid_approx_kernel<T, true> : plaid_approx_kernel<T, false>;
     kernel<<<blocks, threads, 0, stream>>>(
         static_cast<const T*>(qcs.data_ptr()), codes.data_ptr<int32_t>(), st.data_ptr<int32_t>(),
