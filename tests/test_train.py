@@ -489,3 +489,151 @@ def test_gradcheck_f64(ms, surface, normalize):
     Q.requires_grad_(), D.requires_grad_()
     assert fn(Q, D).dtype == torch.float64
     assert torch.autograd.gradcheck(fn, (Q, D))
+
+
+# -- short documents: the one-hot product backward (CUDA, bf16, d 64 / 128) ----
+# Shapes here are ones the planner sends to the product kernel (128 queries x
+# 256 documents of <= 17 tokens, or packed corpora of that size); the fp64
+# references sum over the forward's own argmax, so near-ties cannot move them.
+
+def _packed_grads_over_own_argmax(ms, Q, docs, off, g, qmask=None):
+    """fp64 dq [nq, lq, dim], dd [T, dim] over the argmax of
+    score_contrastive_with_argmax (packed documents, offsets ``off``)."""
+    nq, lq, dim = Q.shape
+    qlen = None if qmask is None else qmask.sum(1).to(torch.int32)
+    _, am = ms.score_contrastive_with_argmax(Q.detach(), docs.detach(), off, qlen)
+    idx = am.long()
+    ok = idx >= 0
+    rows = torch.where(ok, off[:-1].long()[None, :, None] + idx, 0)
+    w = g.double()[:, :, None] * ok
+    dq = torch.einsum("qni,qnid->qid", w, docs.detach().double()[rows])
+    dd = torch.zeros(docs.shape, device=docs.device, dtype=torch.float64)
+    dd.index_add_(0, rows.reshape(-1), (w[..., None] * Q.detach().double()[:, None]).reshape(-1, dim))
+    return dq, dd
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA one-hot backward")
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("ld,lq", [(1, 32), (7, 20), (16, 32), (17, 64)])
+@pytest.mark.parametrize("side", ["both", "q", "d"])
+def test_short_document_products(ms, dim, ld, lq, side):
+    gen = torch.Generator(device="cuda").manual_seed(ld * 100 + lq + dim)
+    nq, nd = 128, 256
+    Q = torch.randn(nq, lq, dim, device="cuda", generator=gen).bfloat16().requires_grad_(side != "d")
+    D = torch.randn(nd, ld, dim, device="cuda", generator=gen).bfloat16().requires_grad_(side != "q")
+    g = torch.randn(nq, nd, device="cuda", generator=gen)
+    (ms.maxsim(Q, D) * g).sum().backward()
+    _, dq, dd = _grads_over_own_argmax(ms, Q, D, g)
+    if side != "d":
+        assert relerr(Q.grad, dq) <= GRAD_TOL[torch.bfloat16]
+    if side != "q":
+        assert relerr(D.grad, dd) <= GRAD_TOL[torch.bfloat16]
+    if side == "both":
+        _backward_twice(ms, Q, D, g)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA one-hot backward")
+def test_short_documents_masked_garbage(ms):
+    """inf / NaN in masked tokens of both sides change nothing (bitwise the
+    gradients of zeroed tokens); gradients match fp64 over the own argmax."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    nq, nd, lq, ld, dim = 128, 256, 32, 16, 128
+    Q0 = torch.randn(nq, lq, dim, device="cuda", generator=gen).bfloat16()
+    D0 = torch.randn(nd, ld, dim, device="cuda", generator=gen).bfloat16()
+    qm = torch.rand(nq, lq, device="cuda", generator=gen) > 0.2
+    qm[:, 0] = True
+    dm = torch.rand(nd, ld, device="cuda", generator=gen) > 0.3
+    dm[::7] = False  # fully masked documents
+    g = torch.randn(nq, nd, device="cuda", generator=gen)
+    grads = []
+    for fill in (0.0, float("nan"), float("inf")):
+        Q = Q0.masked_fill(~qm[..., None], fill).requires_grad_()
+        D = D0.masked_fill(~dm[..., None], fill).requires_grad_()
+        (ms.maxsim(Q, D, qm, dm) * g).sum().backward()
+        grads.append((Q.grad, D.grad))
+    for gq, gd in grads[1:]:
+        assert torch.equal(gq, grads[0][0]) and torch.equal(gd, grads[0][1])
+    Qz = Q0.masked_fill(~qm[..., None], 0).requires_grad_()
+    Dz = D0.masked_fill(~dm[..., None], 0).requires_grad_()
+    _, rq, rd = _ref_grads(ms, Qz, Dz, qm, dm, g)
+    assert relerr(grads[0][0], rq) <= GRAD_TOL[torch.bfloat16]
+    assert relerr(grads[0][1], rd) <= GRAD_TOL[torch.bfloat16]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA one-hot backward")
+def test_short_documents_nonfinite_winner(ms):
+    """An unmasked inf in a document token: the query rows it wins for get
+    g * inf in that feature (NaN / inf exactly where fp64 has them), the
+    other features and rows their finite sums."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    nq, nd, lq, ld, dim = 128, 256, 32, 16, 128
+    Q = torch.randn(nq, lq, dim, device="cuda", generator=gen).bfloat16()
+    D = torch.randn(nd, ld, dim, device="cuda", generator=gen).bfloat16()
+    D[5, 3, 7] = float("inf")
+    D[9, 0, 1] = float("-inf")
+    Q.requires_grad_()
+    D.requires_grad_()
+    g = torch.randn(nq, nd, device="cuda", generator=gen)
+    (ms.maxsim(Q, D) * g).sum().backward()
+    _, dq, dd = _grads_over_own_argmax(ms, Q, D, g)
+    assert bool(torch.isinf(dq).any())  # the inf tokens win somewhere
+    for out, ref in ((Q.grad, dq), (D.grad, dd)):
+        out = out.double()
+        assert torch.equal(torch.isnan(out), torch.isnan(ref))
+        assert torch.equal(torch.isinf(out), torch.isinf(ref))
+        assert torch.equal(out[torch.isinf(ref)], ref[torch.isinf(ref)])
+        fin = torch.isfinite(ref)
+        assert relerr(out[fin], ref[fin]) <= GRAD_TOL[torch.bfloat16]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA one-hot backward")
+@pytest.mark.parametrize("dim", [64, 128])
+def test_short_packed_documents_train(ms, dim):
+    """Packed documents of 0-40 tokens with runs of empty ones and a few
+    longer than a 64-row tile, queries with holes."""
+    gen = torch.Generator().manual_seed(dim)
+    nq, lq = 128, 32
+    lens = torch.randint(0, 41, (700,), generator=gen)
+    lens[100:200] = 0
+    lens[300:303] = torch.tensor([150, 0, 65])
+    lens[-50:] = 0
+    off = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).cuda()
+    T = int(off[-1])
+    Q = torch.randn(nq, lq, dim, generator=gen).bfloat16().cuda().requires_grad_()
+    docs = torch.randn(T, dim, generator=gen).bfloat16().cuda().requires_grad_()
+    qmask = (torch.rand(nq, lq, generator=gen) > 0.25).cuda()
+    qmask[:, :4] = True
+    qmask = qmask.cumprod(1).bool()  # query lengths
+    g = torch.randn(nq, lens.numel(), generator=gen).cuda()
+    s = ms.score_contrastive_train(Q, docs, off, qmask.sum(1).to(torch.int32))
+    (s * g).sum().backward()
+    dq, dd = _packed_grads_over_own_argmax(ms, Q, docs, off, g, qmask)
+    assert relerr(Q.grad, dq) <= GRAD_TOL[torch.bfloat16]
+    assert relerr(docs.grad, dd) <= GRAD_TOL[torch.bfloat16]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA one-hot backward")
+def test_short_documents_normalize(ms):
+    """normalize=True: the product kernel's fp32 row sums through the
+    normalisation Jacobian, against fp64 over the own argmax."""
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    nq, nd, lq, ld, dim = 128, 256, 32, 16, 128
+    Q = (torch.randn(nq, lq, dim, device="cuda", generator=gen) * 3).bfloat16().requires_grad_()
+    D = (torch.randn(nd, ld, dim, device="cuda", generator=gen) * 2).bfloat16().requires_grad_()
+    g = torch.randn(nq, nd, device="cuda", generator=gen)
+    (ms.maxsim(Q, D, normalize=True) * g).sum().backward()
+    Qd, Dd = Q.detach().double(), D.detach().double()
+    Qn, Dn = _nrm(Qd), _nrm(Dd)
+    _, am = ms.score_contrastive_with_argmax(Q.detach(), D.detach().reshape(-1, dim),
+                                             torch.arange(0, nd * ld + 1, ld, device="cuda"), normalize=True)
+    rows = torch.arange(nd, device="cuda")[None, :, None] * ld + am.long()
+    sq = torch.einsum("qn,qnid->qid", g.double(), Dn.reshape(-1, dim)[rows])
+    sd = torch.zeros(nd * ld, dim, device="cuda", dtype=torch.float64)
+    sd.index_add_(0, rows.reshape(-1), (g.double()[:, :, None, None] * Qn[:, None]).reshape(-1, dim))
+    sd = sd.view(nd, ld, dim)
+
+    def jac(s, x, xn):
+        return (s - (s * xn).sum(-1, keepdim=True) * xn) / x.norm(dim=-1, keepdim=True)
+
+    assert relerr(Q.grad, jac(sq, Qd, Qn)) <= GRAD_TOL[torch.bfloat16]
+    assert relerr(D.grad, jac(sd, Dd, Dn)) <= GRAD_TOL[torch.bfloat16]
