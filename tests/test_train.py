@@ -491,10 +491,10 @@ def test_gradcheck_f64(ms, surface, normalize):
     assert torch.autograd.gradcheck(fn, (Q, D))
 
 
-# -- short documents: the one-hot product backward (CUDA, bf16, d 64 / 128) ----
-# Shapes here are ones the planner sends to the product kernel (128 queries x
-# 256 documents of <= 17 tokens, or packed corpora of that size); the fp64
-# references sum over the forward's own argmax, so near-ties cannot move them.
+# -- short documents at training sizes (CUDA, bf16, d 64 / 128) ---------------
+# 128 queries x 256 documents of <= 17 tokens, or packed corpora of that size;
+# the fp64 references sum over the forward's own argmax, so near-ties cannot
+# move them.
 
 def _packed_grads_over_own_argmax(ms, Q, docs, off, g, qmask=None):
     """fp64 dq [nq, lq, dim], dd [T, dim] over the argmax of
@@ -512,7 +512,7 @@ def _packed_grads_over_own_argmax(ms, Q, docs, off, g, qmask=None):
     return dq, dd
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA one-hot backward")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA training sizes")
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("ld,lq", [(1, 32), (7, 20), (16, 32), (17, 64)])
 @pytest.mark.parametrize("side", ["both", "q", "d"])
@@ -532,7 +532,7 @@ def test_short_document_products(ms, dim, ld, lq, side):
         _backward_twice(ms, Q, D, g)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA one-hot backward")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA training sizes")
 def test_short_documents_masked_garbage(ms):
     """inf / NaN in masked tokens of both sides change nothing (bitwise the
     gradients of zeroed tokens); gradients match fp64 over the own argmax."""
@@ -560,7 +560,7 @@ def test_short_documents_masked_garbage(ms):
     assert relerr(grads[0][1], rd) <= GRAD_TOL[torch.bfloat16]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA one-hot backward")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA training sizes")
 def test_short_documents_nonfinite_winner(ms):
     """An unmasked inf in a document token: the query rows it wins for get
     g * inf in that feature (NaN / inf exactly where fp64 has them), the
@@ -586,7 +586,7 @@ def test_short_documents_nonfinite_winner(ms):
         assert relerr(out[fin], ref[fin]) <= GRAD_TOL[torch.bfloat16]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA one-hot backward")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA training sizes")
 @pytest.mark.parametrize("dim", [64, 128])
 def test_short_packed_documents_train(ms, dim):
     """Packed documents of 0-40 tokens with runs of empty ones and a few
@@ -612,10 +612,10 @@ def test_short_packed_documents_train(ms, dim):
     assert relerr(docs.grad, dd) <= GRAD_TOL[torch.bfloat16]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA one-hot backward")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA training sizes")
 def test_short_documents_normalize(ms):
-    """normalize=True: the product kernel's fp32 row sums through the
-    normalisation Jacobian, against fp64 over the own argmax."""
+    """normalize=True: the fp32 row sums through the normalisation
+    Jacobian, against fp64 over the own argmax."""
     gen = torch.Generator(device="cuda").manual_seed(8)
     nq, nd, lq, ld, dim = 128, 256, 32, 16, 128
     Q = (torch.randn(nq, lq, dim, device="cuda", generator=gen) * 3).bfloat16().requires_grad_()

@@ -35,7 +35,6 @@
 #include <algorithm>
 
 #include "backward_kernels.cuh"
-#include "backward_onehot.cuh"
 #include "../common/dtype_dispatch.cuh"
 #include "../common/normalize_rows.cuh"
 #include "../common/smem_opt_in.h"
@@ -271,81 +270,6 @@ void launch_t(bool f32_out, bool a16, bool v16, BwdParams& p, bool do_dq, bool d
     launch_o<T, T>(a16, v16, p, do_dq, do_dd, NG, st);
 }
 
-// ---- one-hot products (backward_onehot.cuh) ---------------------------------
-// Cost model: the gather kernels spend about kGatherEntryUs of the GPU per
-// (pair, query token) entry for both gradients; the product kernel
-// kOhStepUs of an SM per (output block, K tile) step, and one CTA's steps
-// take at least kOhStepLatencyUs each (its longest walk bounds the launch).
-constexpr double kGatherEntryUs = 2e-4;
-constexpr double kOhStepUs = 0.8;
-constexpr double kOhStepLatencyUs = 1.0;
-
-struct OnehotPlan {
-  int qpb = 0;                        // queries per query block
-  int64_t n_qblocks = 0, n_dtiles = 0;
-  int64_t n_dd = 0, n_dq = 0;         // CTAs of each kind
-};
-
-// Whether the product kernel takes this call (CROSS, bf16, d = 64 / 128,
-// Lq <= 64, 16-byte rows, sm_80+) and is cheaper than the gathers.
-bool onehot_takes(const BwdParams& p, bool bf16, bool v16, bool do_dq, bool do_dd, OnehotPlan& pl) {
-  const auto* prop = at::cuda::getCurrentDeviceProperties();
-  if (!bf16 || !v16 || p.layout != kCross || (p.dim != 64 && p.dim != 128) || p.lq > kOhRows ||
-      prop->major < 8)
-    return false;
-  pl.qpb = kOhRows / p.lq;
-  pl.n_qblocks = ceil_div(p.Nq, pl.qpb);
-  pl.n_dtiles = ceil_div(p.Td, kOhRows);
-  pl.n_dd = do_dd ? pl.n_dtiles : 0;
-  pl.n_dq = do_dq ? pl.n_qblocks : 0;
-  if (pl.n_dd + pl.n_dq > kMaxGrid || pl.n_dd + pl.n_dq == 0) return false;
-  const double steps = (double)pl.n_dd * pl.n_qblocks + (double)pl.n_dq * pl.n_dtiles;
-  const double longest = (double)std::max(pl.n_dd ? pl.n_qblocks : 0, pl.n_dq ? pl.n_dtiles : 0);
-  const double onehot_us =
-      std::max(steps * kOhStepUs / prop->multiProcessorCount, longest * kOhStepLatencyUs);
-  const double gather_us = (double)p.P * p.lq * kGatherEntryUs * (do_dq && do_dd ? 1.0 : 0.5);
-  return onehot_us < gather_us;
-}
-
-template <class A, class O, int DIM>
-void launch_onehot_kernel(const BwdParams& p, const OnehotPlan& pl, const int* first, const int* end,
-                          cudaStream_t st) {
-  static int set_bytes[kSmemOptInDevices] = {};
-  constexpr size_t smem = Onehot<A, DIM>::kSmem;
-  opt_in_dynamic_smem(onehot_kernel<A, O, DIM>, smem, set_bytes);
-  launch_pdl(onehot_kernel<A, O, DIM>, dim3((unsigned)(pl.n_dd + pl.n_dq)), dim3(kOhThreads), smem, st, p, first,
-             end, pl.qpb, (int)pl.n_dd, pl.n_qblocks, pl.n_dtiles);
-}
-
-// The document tiles' ranges, then one launch of both gradients' CTAs.
-void launch_onehot(const BwdParams& p, const OnehotPlan& pl, bool a16, bool f32_out, const at::Tensor& like,
-                   cudaStream_t st) {
-  const at::Tensor ranges = at::empty({2 * std::max<int64_t>(pl.n_dtiles, 1)}, like.options().dtype(at::kInt));
-  int* first = ranges.data_ptr<int>();
-  int* end = first + std::max<int64_t>(pl.n_dtiles, 1);
-  if (pl.n_dtiles > 0)
-    launch_pdl(onehot_tiles_kernel, dim3((unsigned)ceil_div(pl.n_dtiles, 256)), dim3(256), 0, st, p, pl.n_dtiles,
-               first, end);
-  const auto by_dim = [&](auto a_tag, auto o_tag) {
-    using A = decltype(a_tag);
-    using O = decltype(o_tag);
-    if (p.dim == 64)
-      launch_onehot_kernel<A, O, 64>(p, pl, first, end, st);
-    else
-      launch_onehot_kernel<A, O, 128>(p, pl, first, end, st);
-  };
-  const auto by_out = [&](auto a_tag) {
-    if (f32_out)
-      by_dim(a_tag, float{});
-    else
-      by_dim(a_tag, __nv_bfloat16{});
-  };
-  if (a16)
-    by_out(int16_t{});
-  else
-    by_out(int32_t{});
-}
-
 }  // namespace
 }  // namespace cuda_bwd
 
@@ -492,14 +416,9 @@ std::tuple<at::Tensor, at::Tensor> backward_cuda(
 
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const bool a16 = argmax.scalar_type() == at::kShort;
-  OnehotPlan oh;
-  if (onehot_takes(p, dtype == at::kBFloat16, v16, do_dq, do_dd, oh)) {
-    launch_onehot(p, oh, a16, normalize, q, stream);
-  } else {
-    dispatch_float_type(dtype, [&](auto tag) {
-      launch_t<decltype(tag)>(normalize, a16, v16, p, do_dq, do_dd, NG, stream);
-    });
-  }
+  dispatch_float_type(dtype, [&](auto tag) {
+    launch_t<decltype(tag)>(normalize, a16, v16, p, do_dq, do_dd, NG, stream);
+  });
   if (normalize) cuda_norm::normalize_grad(g32, do_dq ? q : none, dq, do_dd ? d : none, dd);
   return {dq, dd};
 }
