@@ -85,6 +85,20 @@ __device__ __forceinline__ void query_row_words(uint32_t (&a)[KS][4], int h, con
   }
 }
 
+// The lane's W vectors of query row i read from global memory (stride vs
+// uint4), zeros past the query's length ql or for an invalid query.
+template <int W>
+__device__ __forceinline__ void query_row_global(uint4 (&seg)[W], const FwdParams& p, bool ok, int qs, int ql,
+                                                 int i, int64_t rb, int lane_off, int vs) {
+#pragma unroll
+  for (int w = 0; w < W; ++w) seg[w] = make_uint4(0, 0, 0, 0);
+  if (ok && i < ql) {
+    const uint4* src = reinterpret_cast<const uint4*>(p.q + ((int64_t)qs + i) * rb + lane_off);
+#pragma unroll
+    for (int w = 0; w < W; ++w) seg[w] = __ldg(src + w * vs);
+  }
+}
+
 // Columns 2c, 2c + 1 of an n tile fold into the query rows' running maxima
 // unless past the document or masked (v0, v1); IM: exact int32 products of
 // 8-bit rows (compared as integers).
@@ -399,13 +413,7 @@ __global__ void __launch_bounds__(NW * 32) stream_fwd_kernel(const FwdParams p) 
 #pragma unroll
         for (int w = 0; w < W; ++w) seg[w] = src[w * vs];
       } else {
-#pragma unroll
-        for (int w = 0; w < W; ++w) seg[w] = make_uint4(0, 0, 0, 0);
-        if (ok && i < ql) {
-          const uint4* src = reinterpret_cast<const uint4*>(p.q + ((int64_t)qs + i) * rb + lane_off);
-#pragma unroll
-          for (int w = 0; w < W; ++w) seg[w] = __ldg(src + w * vs);
-        }
+        query_row_global<W>(seg, p, ok, qs, ql, i, rb, lane_off, vs);
       }
       query_row_words<KS, W>(a[mt], h, seg);
     }

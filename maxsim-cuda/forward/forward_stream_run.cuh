@@ -117,13 +117,7 @@ __global__ void __launch_bounds__(kStreamWarps * 32, kStreamRunMinBlocks) stream
     for (int h = 0; h < 2; ++h) {
       const int i = mt * 16 + h * 8 + g;
       uint4 seg[W];
-#pragma unroll
-      for (int w = 0; w < W; ++w) seg[w] = make_uint4(0, 0, 0, 0);
-      if (qok && i < ql) {
-        const uint4* src = reinterpret_cast<const uint4*>(p.q + ((int64_t)qs + i) * rb + lane_off);
-#pragma unroll
-        for (int w = 0; w < W; ++w) seg[w] = __ldg(src + w * vs);
-      }
+      query_row_global<W>(seg, p, qok, qs, ql, i, rb, lane_off, vs);
       query_row_words<KS, W>(a[mt], h, seg);
     }
   bool qrow = qok && lane < ql;
