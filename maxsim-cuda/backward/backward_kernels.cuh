@@ -257,16 +257,22 @@ __device__ __forceinline__ int64_t positional_stride(const BwdParams& p) {
   return p.layout == kCrossL ? p.Nd : p.K;
 }
 
+// LIST: the pairs of group id in a CSR pointer array (q_ptr / d_ptr),
+// [lo, lo + count) clamped to [0, P).
+__device__ __forceinline__ int64_t csr_group(const int* __restrict__ ptr, int64_t id, int64_t P, int64_t& lo) {
+  int64_t a = ptr[id], b = ptr[id + 1];
+  a = a < 0 ? 0 : a;
+  b = b > P ? P : b;
+  lo = a;
+  return b > a ? b - a : 0;
+}
+
 // Pairs of query n: count, and pair k -> (pair id, doc id). False: skip.
 __device__ __forceinline__ int64_t query_pairs(const BwdParams& p, int64_t n, int64_t& lo) {
   lo = 0;
   if (p.layout == kCrossL) return p.Nd;
   if (p.layout == kGroupedL) return p.K;
-  int64_t a = p.q_ptr[n], b = p.q_ptr[n + 1];
-  a = a < 0 ? 0 : a;
-  b = b > p.P ? p.P : b;
-  lo = a;
-  return b > a ? b - a : 0;
+  return csr_group(p.q_ptr, n, p.P, lo);
 }
 __device__ __forceinline__ bool query_pair(const BwdParams& p, int64_t n, int64_t k, int64_t lo, int64_t& pr,
                                            int64_t& m) {
@@ -289,11 +295,7 @@ __device__ __forceinline__ int64_t doc_pairs(const BwdParams& p, int64_t j, int6
   lo = 0;
   if (p.layout == kCrossL) return p.Nq;
   if (p.layout == kGroupedL) return 1;
-  int64_t a = p.d_ptr[j], b = p.d_ptr[j + 1];
-  a = a < 0 ? 0 : a;
-  b = b > p.P ? p.P : b;
-  lo = a;
-  return b > a ? b - a : 0;
+  return csr_group(p.d_ptr, j, p.P, lo);
 }
 __device__ __forceinline__ bool doc_pair(const BwdParams& p, int64_t j, int64_t k, int64_t lo, int64_t& pr,
                                          int64_t& n) {
