@@ -192,8 +192,9 @@ using UniformSegmentsFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor& l
 // (int32 [Nd]; a length <= 0 is an empty document).
 //
 // plaid_approx: qcs [Nq, C, Lq] fp32, fp16 or bf16 (query-token x centroid
-// scores) -> scores [Nq, Nd] fp32 (maxima exact, sums in fp32), score[i, n] = sum over s of max over the tokens t of
-// n of qcs[i, codes[t], s]; an empty document scores 0. With keep (uint8
+// scores) -> scores [Nq, Nd] fp32 (maxima exact, sums in fp32), score[i, n]
+// = sum over s of max over the tokens t of n of qcs[i, codes[t], s]; an
+// empty document scores 0. With keep (uint8
 // [Nq, C], PLAID's centroid pruning) only the tokens whose centroid query i
 // keeps (non-zero) count, and a query token no kept token reaches adds 0.
 using PlaidApproxFn = at::Tensor(const at::Tensor& qcs, const at::Tensor& codes, const at::Tensor& d_start,

@@ -7,8 +7,8 @@
 // tokens as a register-tiled SIMT product (4 x 4 per thread). plaid_approx
 // gives each pair a warp: 16 bytes a lane, so 4 tokens' score rows a load
 // from an fp32 table and 8 from a 16-bit one; with a centroid mask, a lane
-// per query token over the kept tokens. plaid_backward gives each (query, query
-// token) a warp over the features, re-decompressing each document's
+// per query token over the kept tokens. plaid_backward gives each (query,
+// query token) a warp over the features, re-decompressing each document's
 // winning token.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
