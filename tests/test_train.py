@@ -278,21 +278,28 @@ def _backward_twice(ms, Q, D, g):
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
 
 
-def _grads_over_own_argmax(ms, Q, D, g):
-    """fp64 dq, dd of Q [nq, lq, dim] x D [nd, ld, dim] summed over the
-    forward's own argmax (so near-ties cannot move the reference), and that
-    argmax [nq, nd, lq]."""
+def _packed_grads_over_own_argmax(ms, Q, docs, off, g, qmask=None):
+    """fp64 dq [nq, lq, dim], dd [T, dim] of Q against packed documents
+    (offsets ``off``) summed over the forward's own argmax (so near-ties
+    cannot move the reference), and that argmax [nq, nd, lq]."""
     nq, lq, dim = Q.shape
-    nd, ld = D.shape[:2]
-    dev = Q.device
-    offsets = torch.arange(0, nd * ld + 1, ld, device=dev)
-    _, am = ms.score_contrastive_with_argmax(Q.detach(), D.detach().reshape(-1, dim), offsets)
+    qlen = None if qmask is None else qmask.sum(1).to(torch.int32)
+    _, am = ms.score_contrastive_with_argmax(Q.detach(), docs.detach(), off, qlen)
     idx = am.long()
-    Qd, Dd, gd = Q.detach().double(), D.detach().double(), g.double()
-    rows = torch.arange(nd, device=dev)[None, :, None] * ld + idx
-    dq = torch.einsum("qn,qnid->qid", gd, Dd.reshape(-1, dim)[rows])
-    dd = torch.zeros(nd * ld, dim, device=dev, dtype=torch.float64)
-    dd.index_add_(0, rows.reshape(-1), (gd[:, :, None, None] * Qd[:, None]).reshape(-1, dim))
+    ok = idx >= 0
+    rows = torch.where(ok, off[:-1].long()[None, :, None] + idx, 0)
+    w = g.double()[:, :, None] * ok
+    dq = torch.einsum("qni,qnid->qid", w, docs.detach().double()[rows])
+    dd = torch.zeros(docs.shape, device=docs.device, dtype=torch.float64)
+    dd.index_add_(0, rows.reshape(-1), (w[..., None] * Q.detach().double()[:, None]).reshape(-1, dim))
+    return idx, dq, dd
+
+
+def _grads_over_own_argmax(ms, Q, D, g):
+    """The same for Q [nq, lq, dim] x D [nd, ld, dim]: (argmax, dq, dd)."""
+    nd, ld, dim = D.shape
+    offsets = torch.arange(0, nd * ld + 1, ld, device=Q.device)
+    idx, dq, dd = _packed_grads_over_own_argmax(ms, Q, D.reshape(-1, dim), offsets, g)
     return idx, dq, dd.view(nd, ld, dim)
 
 
@@ -496,22 +503,6 @@ def test_gradcheck_f64(ms, surface, normalize):
 # the fp64 references sum over the forward's own argmax, so near-ties cannot
 # move them.
 
-def _packed_grads_over_own_argmax(ms, Q, docs, off, g, qmask=None):
-    """fp64 dq [nq, lq, dim], dd [T, dim] over the argmax of
-    score_contrastive_with_argmax (packed documents, offsets ``off``)."""
-    nq, lq, dim = Q.shape
-    qlen = None if qmask is None else qmask.sum(1).to(torch.int32)
-    _, am = ms.score_contrastive_with_argmax(Q.detach(), docs.detach(), off, qlen)
-    idx = am.long()
-    ok = idx >= 0
-    rows = torch.where(ok, off[:-1].long()[None, :, None] + idx, 0)
-    w = g.double()[:, :, None] * ok
-    dq = torch.einsum("qni,qnid->qid", w, docs.detach().double()[rows])
-    dd = torch.zeros(docs.shape, device=docs.device, dtype=torch.float64)
-    dd.index_add_(0, rows.reshape(-1), (w[..., None] * Q.detach().double()[:, None]).reshape(-1, dim))
-    return dq, dd
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA training sizes")
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("ld,lq", [(1, 32), (7, 20), (16, 32), (17, 64)])
@@ -607,7 +598,7 @@ def test_short_packed_documents_train(ms, dim):
     g = torch.randn(nq, lens.numel(), generator=gen).cuda()
     s = ms.score_contrastive_train(Q, docs, off, qmask.sum(1).to(torch.int32))
     (s * g).sum().backward()
-    dq, dd = _packed_grads_over_own_argmax(ms, Q, docs, off, g, qmask)
+    _, dq, dd = _packed_grads_over_own_argmax(ms, Q, docs, off, g, qmask)
     assert relerr(Q.grad, dq) <= GRAD_TOL[torch.bfloat16]
     assert relerr(docs.grad, dd) <= GRAD_TOL[torch.bfloat16]
 
