@@ -9,6 +9,17 @@ import torch
 from conftest import DEVICES, relerr
 
 
+# The two training paths: 0 winners per row sends every step to the
+# composition's dense backward, a huge bound every step to the winners'.
+TRAIN_PATHS = {"dense": 0, "winners": 10 ** 9}
+
+
+@pytest.fixture(params=list(TRAIN_PATHS))
+def train_path(request, ms, monkeypatch):
+    monkeypatch.setattr(ms.head, "_WINNERS_PER_ROW", TRAIN_PATHS[request.param])
+    return request.param
+
+
 def _inputs(device, Nq, Lq, Nd, Ld, dm, do, bias, seed=0):
     g = torch.Generator().manual_seed(seed)
     Q = torch.nn.functional.normalize(torch.randn(Nq, Lq, do, generator=g), dim=-1).to(device)
@@ -22,7 +33,7 @@ def _inputs(device, Nq, Lq, Nd, Ld, dm, do, bias, seed=0):
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("normalize", [True, False])
 @pytest.mark.parametrize("chunk_mib", [256, 0])  # 0: one document per chunk
-def test_from_hidden_forward_and_gradients(ms, device, bias, normalize, chunk_mib):
+def test_from_hidden_forward_and_gradients(ms, device, bias, normalize, chunk_mib, train_path):
     Q, H, W, b = _inputs(device, 2, 17, 5, 33, 48, 15, bias)
     d_mask = torch.ones(5, 33, dtype=torch.bool, device=device)
     d_mask[1, 7:] = False
@@ -51,7 +62,7 @@ def test_from_hidden_bf16_and_2d_query(ms, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_from_hidden_shared_winners(ms, device, dtype):
+def test_from_hidden_shared_winners(ms, device, dtype, train_path):
     """Many query tokens picking the same few document rows, every gradient
     against fp64, and the same gradients twice (deterministic)."""
     Q, H, W, b = _inputs(device, 6, 40, 3, 4, 56, 24, True, seed=6)
@@ -82,7 +93,7 @@ def test_from_hidden_shared_winners(ms, device, dtype):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("chunk_mib", [256, 0])  # 0: one query (and its candidates) per chunk
-def test_from_hidden_candidates(ms, device, chunk_mib):
+def test_from_hidden_candidates(ms, device, chunk_mib, train_path):
     """Each query's own K candidates, H [Nq, K, Ld, d_model] -> [Nq, K]:
     masks (an empty candidate, a padded query), forward and every gradient
     against fp64, in one chunk and one query per chunk."""
@@ -109,6 +120,89 @@ def test_from_hidden_candidates(ms, device, chunk_mib):
         assert relerr(a.grad, r.grad) < 1e-4, name
     with pytest.raises(ValueError):
         ms.maxsim_from_hidden(Q[0], H, W, b)  # a 2-D query with per-query candidates
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("candidates", [False, True])
+def test_from_hidden_winners_poison_and_shapes(ms, device, dtype, candidates, train_path):
+    """Odd shapes (Lq 1 / 15, Ld 1 / 33, d_model 17), garbage in masked
+    hidden rows (their gradients stay exact zeros, every other gradient
+    against fp64), documents without a valid token, a query with none,
+    gradients of one input only. The winners' path never reads a masked row,
+    so there the garbage is NaN and inf; the composition's dW is a product
+    with every row, as torch's Linear backward is, so there it is finite."""
+    g = torch.Generator().manual_seed(21)
+    # Winners per document (Nq Lq shared, Lq candidates) below and above Ld:
+    # both of the backward's per-row sums.
+    for Nq, Lq, Nd, Ld in ((1, 1, 3, 1), (3, 15, 5, 33), (2, 15, 5, 33), (2, 17, 4, 7)):
+        lead = (Nq, Nd) if candidates else (Nd,)
+        Q = torch.nn.functional.normalize(torch.randn(Nq, Lq, 24, generator=g), dim=-1).to(device, dtype)
+        H = torch.randn(*lead, Ld, 17, generator=g).to(device, dtype)
+        W = (torch.randn(24, 17, generator=g) / 17 ** 0.5).to(device, dtype)
+        b = (0.1 * torch.randn(24, generator=g)).to(device, dtype)
+        d_mask = (torch.rand(*lead, Ld, generator=g) > 0.3).to(device)
+        d_mask[..., 0] = True
+        d_mask[..., -1, :] = False  # the last document (or each query's last candidate) is empty
+        H = H.masked_fill(~d_mask[..., None], float("nan") if train_path == "winners" else 1e4)
+        H[..., -1, 0, 0] = float("inf") if train_path == "winners" else -1e4  # a token of the empty document
+        q_mask = torch.ones(Nq, Lq, dtype=torch.bool, device=device)
+        q_mask[-1] = Lq == 1  # the last query has no valid token (unless it has only one)
+        clean = H.masked_fill(~d_mask[..., None], 0)
+        refs = [t.detach().double().requires_grad_(True) for t in (Q, clean, W, b)]
+        ref = ms.head.maxsim_from_hidden_reference(*refs, d_mask, q_mask=q_mask)
+        gout = torch.randn(ref.shape, generator=g).double()
+        (ref * gout).sum().backward()
+        for only in (None, 1, 2):  # every input; H only; W only
+            leaves = [t.clone().requires_grad_(only is None or i == only) for i, t in enumerate((Q, H, W, b))]
+            out = ms.maxsim_from_hidden(*leaves, d_mask, q_mask=q_mask)
+            tol = 1e-4 if dtype == torch.float32 else 3e-2
+            assert out.shape == ref.shape and relerr(out, ref, floor=1.0) < tol / 10
+            (out * gout.to(device)).sum().backward()
+            for i, (a, r) in enumerate(zip(leaves, refs)):
+                if only is not None and i != only:
+                    assert a.grad is None
+                    continue
+                assert a.grad.dtype == dtype and relerr(a.grad, r.grad) < tol, (Nq, Lq, Nd, Ld, "QHWb"[i])
+            if only in (None, 1):
+                masked = ~d_mask
+                assert torch.all(leaves[1].grad[masked] == 0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_from_hidden_winners_compile_and_graph(ms, device, monkeypatch):
+    """A training step on the winners' path: the same gradients under
+    torch.compile(fullgraph=True) and (CUDA) in a captured graph."""
+    monkeypatch.setattr(ms.head, "_WINNERS_PER_ROW", 10 ** 9)
+    Q, H, W, b = _inputs(device, 2, 9, 6, 40, 64, 32, True, seed=13)
+    d_mask = torch.ones(6, 40, dtype=torch.bool, device=device)
+    d_mask[2, 20:] = False
+    gout = torch.randn(2, 6, generator=torch.Generator().manual_seed(2)).to(device)
+    leaves = [t.clone().requires_grad_(True) for t in (Q, H, W, b)]
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        (ms.maxsim_from_hidden(*leaves, d_mask) * gout).sum().backward()
+        return [t.grad for t in leaves]
+
+    eager = [t.clone() for t in step()]
+    compiled = torch.compile(lambda *a: ms.maxsim_from_hidden(*a, d_mask), fullgraph=True)
+    for t in leaves:
+        t.grad = None
+    (compiled(*leaves) * gout).sum().backward()
+    for a, e, name in zip(leaves, eager, "QHWb"):
+        assert relerr(a.grad, e) < 1e-5, name
+    if device == "cuda":
+        from conftest import capture_cuda_graph
+
+        graph, grads = capture_cuda_graph(step)  # the grads the capture allocated
+        for t in grads:
+            t.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for a, e, name in zip(grads, eager, "QHWb"):
+            assert torch.equal(a, e), name
 
 
 # -- the fused inference kernel (head_forward, sm_90a) ---------------------------

@@ -28,21 +28,145 @@ from torch.utils.checkpoint import checkpoint
 from ._ops import add_op_namespace_prefix, ops
 from ._registry import meta_kernel, register_fallbacks, warn_fallback
 from .checks import check_float
-from .scoring import maxsim
+from .scoring import maxsim, maxsim_with_argmax_nograd
 
 Tensor = torch.Tensor
+
+_NORM_EPS = 1e-12  # F.normalize's
 
 __all__ = ["maxsim_from_hidden", "maxsim_from_hidden_reference"]
 
 
-def _project(H: Tensor, W: Tensor, b: Optional[Tensor], normalize: bool, dtype) -> Tensor:
-    D = F.linear(H, W, b)
+def _finish(P: Tensor, normalize: bool, dtype) -> Tensor:
+    """Projected tokens as scored: normalised (optionally), in ``dtype``."""
     # F.normalize reduces in fp32 without an fp32 copy of the projected tokens.
-    return (F.normalize(D, dim=-1, eps=1e-12) if normalize else D).to(dtype)
+    return (F.normalize(P, dim=-1, eps=_NORM_EPS) if normalize else P).to(dtype)
+
+
+def _project(H: Tensor, W: Tensor, b: Optional[Tensor], normalize: bool, dtype) -> Tensor:
+    return _finish(F.linear(H, W, b), normalize, dtype)
 
 
 def _chunk_scores(Q, H, W, b, q_mask, d_mask, normalize):
     return maxsim(Q, _project(H, W, b, normalize, Q.dtype), q_mask, d_mask)
+
+
+# Training from the winners: when a step has at most this many (query token,
+# document) winners per hidden-state row, the backward projects only the
+# winning rows (the gradient of every other row is zero) instead of the
+# whole batch; with more, the composition's dense backward does less work.
+_WINNERS_PER_ROW = 8
+
+
+def _normalize_backward(P: Tensor, dD: Tensor) -> Tensor:
+    """fp32 gradient of ``P / max(|P|, eps)`` per row: (dD - u <u, dD>) / |P|,
+    u the unit row (dD / eps for a row under the clamp)."""
+    P = P.float()
+    norm = P.norm(dim=-1, keepdim=True)
+    inv = 1.0 / norm.clamp_min(_NORM_EPS)
+    unit = P * inv
+    along = torch.where(norm > _NORM_EPS, (unit * dD).sum(-1, keepdim=True), 0.0)
+    return (dD - unit * along) * inv
+
+
+def _sum_per_row(tok: Tensor, dP: Tensor, Ld: int) -> tuple[Tensor, bool]:
+    """Sums the winners' gradients ``dP [G, S, d]`` of each document (group
+    of S winners, ``tok [G, S]`` their tokens, -1 none) over equal tokens,
+    deterministically (a product with 0/1 matrices, no atomics): ``[G, Ld,
+    d]`` per token when Ld <= S, else ``[G, S, d]`` per winner with each
+    token's sum at its first winner and zeros at the others. Returns the sums
+    and whether they are per token."""
+    if Ld <= tok.shape[1]:
+        onehot = tok[:, None, :] == torch.arange(Ld, device=tok.device)[None, :, None]
+        return onehot.to(dP.dtype) @ dP, True
+    same = (tok[:, :, None] == tok[:, None, :]) & (tok >= 0)[:, :, None]
+    first = ~torch.tril(same, diagonal=-1).any(-1)
+    return (same & first[:, :, None]).to(dP.dtype) @ dP, False
+
+
+class _HeadFromWinners(torch.autograd.Function):
+    """maxsim_from_hidden in training where the winners are few: the forward
+    projects and scores a chunk of documents at a time and keeps only the
+    argmax; the backward gathers the winning hidden-state rows, re-projects
+    them and applies the chain rule per winner, so its work and memory scale
+    with the winners, not the batch. Dimension 1 of the argmax [Nq, n, Lq]
+    is chunked: documents, or each query's candidates side by side."""
+
+    @staticmethod
+    def forward(ctx, Q3, H, W, b, q_mask, d_mask, normalize, per, per_backward):
+        candidates = H.dim() == 4
+        n = H.shape[1] if candidates else H.shape[0]
+        scores, idx = [], []
+        for n0 in range(0, max(n, 1), per):
+            n1 = min(n, n0 + per)
+            cut = (lambda t: t) if n1 - n0 == n else (lambda t: t[:, n0:n1] if candidates else t[n0:n1])
+            s, a = maxsim_with_argmax_nograd(Q3, _project(cut(H), W, b, normalize, Q3.dtype), q_mask,
+                                             None if d_mask is None else cut(d_mask))
+            scores.append(s)
+            idx.append(a)
+        ctx.save_for_backward(Q3, H, W, b, idx[0] if len(idx) == 1 else torch.cat(idx, dim=1))
+        ctx.normalize, ctx.per = normalize, per_backward
+        return scores[0] if len(scores) == 1 else torch.cat(scores, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        Q3, H, W, b, idx = ctx.saved_tensors
+        need_q, need_h, need_w, need_b = ctx.needs_input_grad[:4]
+        candidates = H.dim() == 4
+        Nq, n, Lq = idx.shape
+        Ld, d_model = H.shape[-2:]
+        Hrows = H.reshape(-1, d_model)
+        grad = grad.float()
+        dQ = torch.zeros(Q3.shape, device=Q3.device, dtype=torch.float32) if need_q else None
+        dH = torch.zeros(H.shape, device=H.device, dtype=H.dtype) if need_h else None
+        dW = torch.zeros(W.shape, device=W.device, dtype=torch.float32) if need_w else None
+        db = torch.zeros(W.shape[0], device=W.device, dtype=torch.float32) if need_b else None
+        for n0 in range(0, n, ctx.per):
+            n1 = min(n, n0 + ctx.per)
+            tok = idx[:, n0:n1]  # [Nq, c, Lq]
+            win = tok >= 0
+            first_row = torch.arange(n0, n1, device=idx.device)[None, :] * Ld
+            if candidates:
+                first_row = first_row + torch.arange(Nq, device=idx.device)[:, None] * (n * Ld)
+            rows = (first_row[..., None] + tok.clamp_min(0)).reshape(-1)
+            # Entries without a winner read token 0, which may hold anything
+            # (a masked token): zeroed, they contribute exact zeros.
+            Hw = Hrows.index_select(0, rows).masked_fill(~win.reshape(-1, 1), 0)
+            Pw = F.linear(Hw, W, b)
+            weight = torch.where(win, grad[:, n0:n1, None], 0.0)
+            if need_q:
+                Dw = _finish(Pw, ctx.normalize, Q3.dtype).view(Nq, n1 - n0, Lq, -1)  # the forward's tokens
+                dQ += torch.einsum("ics,icsd->isd", weight, Dw.float())
+            if not (need_h or need_w or need_b):
+                continue
+            dP = (weight[..., None] * Q3[:, None].float()).reshape(Pw.shape)
+            if ctx.normalize:
+                dP = _normalize_backward(Pw, dP)
+            if need_b:
+                db += dP.sum(0)
+            dP = dP.to(H.dtype)
+            if need_w:
+                dW += (dP.t() @ Hw).float()
+            if not need_h:
+                continue
+            # Group the winners by document: [G, S] (shared documents: all
+            # queries' tokens of one document; candidates: one pair's).
+            shape = (Nq, n1 - n0, Lq, -1)
+            if candidates:
+                tok_g, dP_g = tok.reshape(-1, Lq), dP.view(-1, Lq, dP.shape[-1])
+            else:
+                tok_g = tok.transpose(0, 1).reshape(n1 - n0, -1)
+                dP_g = dP.view(shape).transpose(0, 1).reshape(n1 - n0, Nq * Lq, -1)
+            sums, per_token = _sum_per_row(tok_g, dP_g, Ld)
+            dH_part = sums @ W
+            if per_token:  # every row of these documents, in place
+                (dH[:, n0:n1] if candidates else dH[n0:n1]).copy_(dH_part.view(dH[:, n0:n1].shape if candidates
+                                                                                    else dH[n0:n1].shape))
+            else:  # one nonzero per row at most: the adds are exact in any order
+                rows_g = rows.view(shape[:3]).transpose(0, 1).reshape(-1) if not candidates else rows
+                dH.view(-1, d_model).index_add_(0, rows_g, dH_part.view(-1, d_model))
+        return (None if dQ is None else dQ.to(Q3.dtype), dH, None if dW is None else dW.to(W.dtype),
+                None if db is None else db.to(b.dtype), None, None, None, None, None)
 
 
 HEAD_FORWARD = add_op_namespace_prefix("head_forward")
@@ -128,6 +252,18 @@ def maxsim_from_hidden(Q: Tensor, H: Tensor, W: Tensor, b: Optional[Tensor] = No
     row_bytes = max(math.prod(H.shape[1:-1]) * max(Q3.shape[-1], 1) * 4, 1)
     per = max(1, (chunk_mib << 20) // row_bytes)
     train = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (Q3, H, W, b))
+    Lq, Ld = Q3.shape[1], H.shape[-2]
+    if train and (Lq if candidates else Q3.shape[0] * Lq) <= _WINNERS_PER_ROW * Ld:
+        # Chunks over documents (or each query's candidates, side by side).
+        unit = Ld * (Q3.shape[0] if candidates else 1)
+        per = max(1, (chunk_mib << 20) // max(unit * Q3.shape[-1] * 4, 1))
+        # A winner's backward holds its hidden row twice, a few fp32 rows and
+        # a row of its document's 0/1 sum matrix.
+        group = Lq if candidates else Q3.shape[0] * Lq
+        entry_bytes = (H.shape[-1] * 2 + min(Ld, group)) * H.element_size() + Q3.shape[-1] * 24
+        per_backward = max(1, (chunk_mib << 20) // max(Q3.shape[0] * Lq * entry_bytes, 1))
+        out = _HeadFromWinners.apply(Q3, H, W, b, q_mask, d_mask, normalize, per, per_backward)
+        return out[0] if single else out
     fused = not train and not candidates and _fused_ok(Q3, H, W, b, q_mask, d_mask)
     parts = []
     for n0 in range(0, max(n, 1), per):

@@ -371,6 +371,32 @@ def _maxsim_plan(Q, D, q_mask, d_mask):
     return (q_start, q_len, d_start, d_len, GROUPED if D.dim() == 4 else CROSS, Lq, Ld)
 
 
+def _cached_maxsim_plan(Q, D, q_mask, d_mask):
+    key = None if torch.compiler.is_compiling() else _maxsim_key(Q, D, q_mask, d_mask)
+    plan = _MAXSIM_PLANS.get(key) if key is not None else None
+    if plan is None:
+        plan = _maxsim_plan(Q, D, q_mask, d_mask)
+        if (key is not None and len(plan) > 2 and len(_MAXSIM_PLANS) < 256
+                and index_cached(plan[0]) and index_cached(plan[2])):
+            _MAXSIM_PLANS[key] = plan
+    return plan
+
+
+def maxsim_with_argmax_nograd(Q: Tensor, D: Tensor, q_mask: Optional[Tensor] = None,
+                              d_mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """:func:`maxsim`'s scores (no autograd) and the int32 argmax ``[Nq, Nd,
+    Lq]`` (``[Nq, K, Lq]`` for per-query candidates): the winning token within
+    its document, -1 for a masked query token or one with no valid document
+    token. For callers that write their own backward from the winners."""
+    plan = _cached_maxsim_plan(Q, D, q_mask, d_mask)
+    if len(plan) == 2:
+        return empty_result(plan, Q.shape[1], Q, D, "argmax")
+    q_start, q_len, d_start, d_len, layout, Lq, Ld = plan
+    scores, argmax = run(Q, q_start, q_len, flat_mask(q_mask), D, d_start, d_len, flat_mask(d_mask),
+                         None, None, layout, Lq, argmax_kind(False, True, Ld), 0, False, False)
+    return scores, as_int32(argmax).view(*scores.shape, Lq)
+
+
 def maxsim(Q: Tensor, D: Tensor, q_mask: Optional[Tensor] = None, d_mask: Optional[Tensor] = None, *,
            normalize: bool = False, precision: Optional[str] = None, tf32: bool = False) -> Tensor:
     """MaxSim of ``Q [Nq, Lq, d]`` against ``D [Nd, Ld, d]`` (every query x every
@@ -384,13 +410,7 @@ def maxsim(Q: Tensor, D: Tensor, q_mask: Optional[Tensor] = None, d_mask: Option
     ``"exact"`` scalar fp32, ``"tf32"`` one TF32 product (~7e-4);
     ``tf32=True`` means ``precision="tf32"``. The CPU is exact whatever it is.
     """
-    key = None if torch.compiler.is_compiling() else _maxsim_key(Q, D, q_mask, d_mask)
-    plan = _MAXSIM_PLANS.get(key) if key is not None else None
-    if plan is None:
-        plan = _maxsim_plan(Q, D, q_mask, d_mask)
-        if (key is not None and len(plan) > 2 and len(_MAXSIM_PLANS) < 256
-                and index_cached(plan[0]) and index_cached(plan[2])):
-            _MAXSIM_PLANS[key] = plan
+    plan = _cached_maxsim_plan(Q, D, q_mask, d_mask)
     if len(plan) == 2:
         return empty_scores(plan, Q, D)
     q_start, q_len, d_start, d_len, layout, Lq, Ld = plan
