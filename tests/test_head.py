@@ -247,7 +247,7 @@ FUSED_SHAPES = [(1, 1, 7, 1, 64), (1, 32, 13, 15, 768), (2, 16, 11, 17, 64), (4,
 def test_fused_head_forward(ms, dtype, bias, normalize, shape):
     Nq, Lq, Nd, Ld, dm = shape
     (Q, H, W, b), q_mask, d_mask = _fused_inputs(Nq, Lq, Nd, Ld, dm, dtype, bias, seed=Nd + Ld)
-    out = ms.ops.head_forward(Q, H, W, b, q_mask, d_mask, normalize)
+    out = ms.ops.head_forward(Q, H, W, b, q_mask, d_mask, normalize, False)[0]
     assert out.shape == (Nq, Nd) and out.dtype == torch.float32
     ref = ms.head.maxsim_from_hidden_reference(Q, H, W, b, d_mask, q_mask=q_mask, normalize=normalize)
     comp = ms.head._chunk_scores(Q, H, W, b, q_mask, d_mask, normalize)
@@ -263,9 +263,69 @@ def test_fused_head_forward(ms, dtype, bias, normalize, shape):
                                            chunk_mib=chunk_mib)
             assert torch.equal(routed, out)
     # Without masks.
-    out = ms.ops.head_forward(Q, H, W, b, None, None, normalize)
+    out = ms.ops.head_forward(Q, H, W, b, None, None, normalize, False)[0]
     ref = ms.head.maxsim_from_hidden_reference(Q, H, W, b, normalize=normalize)
     assert relerr(out, ref, floor=1.0) < FUSED_TOL[dtype]
+
+
+@needs_sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", FUSED_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_fused_head_forward_argmax(ms, dtype, shape):
+    """with_argmax: the same scores bitwise; each argmax a valid token of its
+    document whose dot (fp64, the kernel's rounded token) is the maximum;
+    ties to the lowest token (duplicated rows); -1 for masked query tokens
+    and empty documents."""
+    Nq, Lq, Nd, Ld, dm = shape
+    (Q, H, W, b), q_mask, d_mask = _fused_inputs(Nq, Lq, Nd, Ld, dm, dtype, True, seed=Nd * Ld)
+    if Ld > 2:
+        H = H.clone()
+        H[:, Ld - 1] = H[:, 0]  # a tie: token 0 must win it
+        d_mask[:, Ld - 1] = d_mask[:, 0]
+    plain, none = ms.ops.head_forward(Q, H, W, b, q_mask, d_mask, True, False)
+    scores, argmax = ms.ops.head_forward(Q, H, W, b, q_mask, d_mask, True, True)
+    assert none.numel() == 0 and torch.equal(scores, plain)
+    assert argmax.shape == (Nq, Nd, Lq) and argmax.dtype == torch.int32
+    D = torch.nn.functional.normalize(torch.nn.functional.linear(H.double(), W.double(), b.double()), dim=-1)
+    dots = torch.einsum("isd,ntd->inst", Q.double(), D).masked_fill(~d_mask[None, :, None, :], float("-inf"))
+    best = dots.amax(-1)
+    has = torch.isfinite(best) & q_mask[:, None, :]
+    assert torch.all((argmax >= 0) == has)
+    picked = dots.gather(-1, argmax.clamp_min(0).long()[..., None])[..., 0]
+    # the picked token is a maximum up to the 16-bit rounding of the tokens
+    assert torch.all((best - picked)[has] <= 4 * FUSED_TOL[dtype])
+    assert torch.all(d_mask[torch.arange(Nd, device="cuda")[None, :, None].expand_as(argmax)[has],
+                            argmax[has].long()])
+    if Ld > 2:
+        assert not torch.any(argmax == Ld - 1)
+
+
+@needs_sm90
+@pytest.mark.parametrize("shape", [(1, 32, 37, 300, 768), (2, 16, 11, 17, 64), (4, 25, 6, 300, 128),
+                                   (32, 32, 7, 45, 768)], ids=lambda s: "x".join(map(str, s)))
+def test_from_hidden_training_fused_forward(ms, shape, monkeypatch):
+    """Training on the winners' path takes its forward (scores and argmax)
+    from the fused kernel: scores bitwise those of inference, every gradient
+    against fp64, deterministic."""
+    monkeypatch.setattr(ms.head, "_WINNERS_PER_ROW", 10 ** 9)
+    Nq, Lq, Nd, Ld, dm = shape
+    (Q, H, W, b), q_mask, d_mask = _fused_inputs(Nq, Lq, Nd, Ld, dm, torch.bfloat16, True, seed=Ld)
+    with torch.no_grad():
+        inference = ms.maxsim_from_hidden(Q, H, W, b, d_mask, q_mask=q_mask)
+    gout = torch.randn(Nq, Nd, generator=torch.Generator().manual_seed(1)).cuda()
+    grads = []
+    for _ in range(2):
+        leaves = [t.clone().requires_grad_(True) for t in (Q, H, W, b)]
+        out = ms.maxsim_from_hidden(*leaves, d_mask, q_mask=q_mask)
+        assert torch.equal(out.detach(), inference)
+        (out * gout).sum().backward()
+        grads.append([t.grad for t in leaves])
+    refs = [t.detach().double().requires_grad_(True) for t in (Q, H, W, b)]
+    ref = ms.head.maxsim_from_hidden_reference(*refs, d_mask, q_mask=q_mask)
+    (ref * gout.double()).sum().backward()
+    for a, a2, r, name in zip(grads[0], grads[1], refs, "QHWb"):
+        assert relerr(a, r.grad) < 3e-2, name
+        assert torch.equal(a, a2), name
 
 
 @needs_sm90
@@ -280,14 +340,17 @@ def test_fused_head_forward_nan_and_empty(ms, nq_lq):
     H[1, 39, 5] = float("nan")
     H[4, 7, 0] = float("nan")
     d_mask[4, 7] = False
-    out = ms.ops.head_forward(Q, H, W, b, q_mask, d_mask, True)
+    out = ms.ops.head_forward(Q, H, W, b, q_mask, d_mask, True, False)[0]
     nan = torch.isnan(out)
     assert nan[:, 1].all() and nan.sum() == Nq
     ref = ms.head.maxsim_from_hidden_reference(Q, H, W, b, d_mask, q_mask=q_mask)
     keep = [0, 2, 3, 4, 5]
     assert relerr(out[:, keep], ref[:, keep], floor=1.0) < FUSED_TOL[torch.bfloat16]
-    assert ms.ops.head_forward(Q, H[:0], W, b, None, None, True).shape == (Nq, 0)
-    assert torch.equal(ms.ops.head_forward(Q[:, :0], H, W, b, None, None, True), torch.zeros(Nq, 6, device="cuda"))
+    assert ms.ops.head_forward(Q, H[:0], W, b, None, None, True, False)[0].shape == (Nq, 0)
+    assert torch.equal(ms.ops.head_forward(Q[:, :0], H, W, b, None, None, True, False)[0],
+                       torch.zeros(Nq, 6, device="cuda"))
+    scores, argmax = ms.ops.head_forward(Q, H[:0], W, b, None, None, True, True)
+    assert scores.shape == (Nq, 0) and argmax.shape == (Nq, 0, Lq)
 
 
 @needs_sm90
@@ -295,9 +358,9 @@ def test_fused_head_forward_query_token_limit(ms):
     """1024 query tokens in all are the kernel's scope; one more is refused
     (maxsim_from_hidden routes such calls to the composition)."""
     (Q, H, W, b), _, _ = _fused_inputs(41, 25, 3, 20, 64, torch.bfloat16, True, seed=11)
-    assert ms.ops.head_forward(Q[:, :24], H, W, b, None, None, True).shape == (41, 3)  # 984 tokens
+    assert ms.ops.head_forward(Q[:, :24], H, W, b, None, None, True, False)[0].shape == (41, 3)  # 984 tokens
     with pytest.raises(RuntimeError, match="query tokens"):
-        ms.ops.head_forward(Q, H, W, b, None, None, True)  # 1025
+        ms.ops.head_forward(Q, H, W, b, None, None, True, False)  # 1025
 
 
 @needs_sm90
@@ -306,8 +369,8 @@ def test_fused_head_forward_cuda_graph(ms, nq):
     from conftest import capture_cuda_graph
 
     (Q, H, W, b), q_mask, d_mask = _fused_inputs(nq, 32, 21, 50, 768, torch.bfloat16, True, seed=5)
-    eager = ms.ops.head_forward(Q, H, W, b, q_mask, d_mask, True)
-    graph, out = capture_cuda_graph(lambda: ms.ops.head_forward(Q, H, W, b, q_mask, d_mask, True))
+    eager = ms.ops.head_forward(Q, H, W, b, q_mask, d_mask, True, False)[0]
+    graph, (out, _) = capture_cuda_graph(lambda: ms.ops.head_forward(Q, H, W, b, q_mask, d_mask, True, False))
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
@@ -342,8 +405,8 @@ def test_head_forward_op_everywhere(ms, device):
     d_mask[2] = False
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out = ms.ops.head_forward(Q, H, W, b, None, d_mask, True)
+        out = ms.ops.head_forward(Q, H, W, b, None, d_mask, True, False)[0]
     ref = ms.head.maxsim_from_hidden_reference(Q, H, W, b, d_mask)
     assert out.shape == (2, 4) and relerr(out, ref, floor=1.0) < tol
-    meta = ms.ops.head_forward(*(t.to("meta") for t in (Q, H, W, b)), None, None, False)
+    meta = ms.ops.head_forward(*(t.to("meta") for t in (Q, H, W, b)), None, None, False, False)[0]
     assert meta.shape == (2, 4) and meta.dtype == torch.float32

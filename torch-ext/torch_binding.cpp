@@ -45,11 +45,12 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.def(
       "plaid_backward(Tensor grad, Tensor q, Tensor codes, Tensor residuals, Tensor centroids, "
       "Tensor bucket_weights, Tensor d_start, Tensor d_len, Tensor argmax, int nbits, bool normalize) -> Tensor");
-  // MaxSim through a projection head, fused (torch_binding.h): inference
-  // only, sm_90a CUDA kernel; other devices take the composition in head.py.
+  // MaxSim through a projection head, fused (torch_binding.h): no autograd
+  // (training's forward takes the argmax), sm_90a CUDA kernel; other devices
+  // take the composition in head.py.
   ops.def(
-      "head_forward(Tensor q, Tensor h, Tensor w, Tensor? b, Tensor? q_mask, Tensor? d_mask, bool normalize) -> "
-      "Tensor");
+      "head_forward(Tensor q, Tensor h, Tensor w, Tensor? b, Tensor? q_mask, Tensor? d_mask, bool normalize, "
+      "bool with_argmax) -> (Tensor, Tensor)");
   // The CUDA forward's plan for a call's shape facts (forward_plan.h): no
   // tensors, one implementation for every backend.
   ops.def(

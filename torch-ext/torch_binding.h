@@ -220,18 +220,23 @@ using PlaidBackwardFn = at::Tensor(const at::Tensor& grad, const at::Tensor& q, 
                                    const at::Tensor& d_len, const at::Tensor& argmax, int64_t nbits, bool normalize);
 
 // head_forward: q [Nq, Lq, d_out], h [Nd, Ld, d_model], w [d_out, d_model],
-// b [d_out] (optional; same 16-bit dtype as q, h, w) -> scores [Nq, Nd] fp32:
+// b [d_out] (optional; same 16-bit dtype as q, h, w) -> scores [Nq, Nd] fp32
+// and, with_argmax, argmax [Nq, Nd, Lq] int32 (the winning token within its
+// document, lowest on ties, -1 for a masked query token or one without a
+// valid document token; else an empty tensor):
 // MaxSim of q against the projected documents D = h @ w^T + b, each token
 // divided by max(|x|, 1e-12) when normalize and rounded to q's dtype, fp32
 // accumulation, without writing D to memory. q_mask [Nq, Lq], d_mask [Nd, Ld]
 // optional bool (true = real token); a query token with no valid document
-// token adds 0, NaN propagates. Forward only (no autograd). CUDA: the fused
+// token adds 0, NaN propagates. No autograd. CUDA: the fused
 // sm_90a kernel (maxsim-cuda/head/head_fused.cu), for d_out == 128, d_model
 // a multiple of 64, Nq * Lq <= 1024; the caller (head.py) routes every other
 // case to the composition.
-using HeadForwardFn = at::Tensor(const at::Tensor& q, const at::Tensor& h, const at::Tensor& w,
-                                 const std::optional<at::Tensor>& b, const std::optional<at::Tensor>& q_mask,
-                                 const std::optional<at::Tensor>& d_mask, bool normalize);
+using HeadForwardFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor& q, const at::Tensor& h,
+                                                         const at::Tensor& w, const std::optional<at::Tensor>& b,
+                                                         const std::optional<at::Tensor>& q_mask,
+                                                         const std::optional<at::Tensor>& d_mask, bool normalize,
+                                                         bool with_argmax);
 
 // The CUDA forward's plan (forward_plan.cpp), as "key=value" words. arch -1:
 // the current CUDA device; else a model of sm_<arch> with sm_count SMs (<= 0:

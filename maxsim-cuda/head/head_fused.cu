@@ -1,7 +1,8 @@
 // head_forward on CUDA: the fused projection-head MaxSim (head_fused.cuh),
 // sm_90a devices only. Three launches on the current stream (the running
 // maxima's -inf fill, the fused kernel, the finisher), no host
-// synchronisation: capturable in a CUDA graph.
+// synchronisation: capturable in a CUDA graph. With the argmax (training's
+// forward) the running maxima are 64-bit words that carry the winner.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
@@ -18,10 +19,11 @@ namespace {
 
 // The kernel for T, its dynamic shared memory opted in; false when this
 // build lacks its sm_90a body.
-template <typename T>
+template <typename T, bool ARG>
 bool head_kernel_ready() {
   static int state[kSmemOptInDevices] = {};
-  return sm90a_kernel_ready(head::head_fused_kernel<T, head::kHeadMT>, head::HeadCfg<head::kHeadMT>::SMEM, state);
+  return sm90a_kernel_ready(head::head_fused_kernel<T, head::kHeadMT, ARG>, head::HeadCfg<head::kHeadMT>::SMEM,
+                            state);
 }
 
 // A 2-D tensor map over rows x cols of 16-bit T (row-major, contiguous),
@@ -54,9 +56,11 @@ int head_query_groups(int64_t ntiles, int nqc, int sms) {
 
 }  // namespace
 
-at::Tensor head_forward_cuda(const at::Tensor& q_in, const at::Tensor& h_in, const at::Tensor& w_in,
-                             const std::optional<at::Tensor>& b_in, const std::optional<at::Tensor>& q_mask_in,
-                             const std::optional<at::Tensor>& d_mask_in, bool normalize) {
+std::tuple<at::Tensor, at::Tensor> head_forward_cuda(const at::Tensor& q_in, const at::Tensor& h_in,
+                                                     const at::Tensor& w_in, const std::optional<at::Tensor>& b_in,
+                                                     const std::optional<at::Tensor>& q_mask_in,
+                                                     const std::optional<at::Tensor>& d_mask_in, bool normalize,
+                                                     bool with_argmax) {
   TORCH_CHECK(q_in.dim() == 3 && h_in.dim() == 3 && w_in.dim() == 2,
               "maxsim: head_forward: q [Nq, Lq, d_out], h [Nd, Ld, d_model], w [d_out, d_model]");
   const at::ScalarType dt = q_in.scalar_type();
@@ -84,8 +88,12 @@ at::Tensor head_forward_cuda(const at::Tensor& q_in, const at::Tensor& h_in, con
   const c10::cuda::CUDAGuard guard(q_in.device());
   const auto* prop = at::cuda::getCurrentDeviceProperties();
   TORCH_CHECK(prop->major == 9, "maxsim: head_forward: the fused kernel needs an sm_90 device");
-  if (Nq * Lq == 0 || rows == 0) return at::zeros({Nq, Nd}, q_in.options().dtype(at::kFloat));
+  const auto idx_opts = q_in.options().dtype(at::kInt);
+  if (Nq * Lq == 0 || rows == 0)
+    return {at::zeros({Nq, Nd}, q_in.options().dtype(at::kFloat)),
+            with_argmax ? at::full({Nq, Nd, Lq}, -1, idx_opts) : at::empty({0}, idx_opts)};
   at::Tensor scores = at::empty({Nq, Nd}, q_in.options().dtype(at::kFloat));
+  at::Tensor argmax = with_argmax ? at::empty({Nq, Nd, Lq}, idx_opts) : at::empty({0}, idx_opts);
 
   // Operands: H, W and Q through TMA (16-byte aligned base, rows of d_model
   // or d_out elements). Copies only where a view is not contiguous / aligned
@@ -99,12 +107,14 @@ at::Tensor head_forward_cuda(const at::Tensor& q_in, const at::Tensor& h_in, con
   const at::Tensor qm = q_mask_in ? q_mask_in->contiguous() : at::Tensor();
   const at::Tensor dm = d_mask_in ? d_mask_in->contiguous() : at::Tensor();
   const int nqv = (int)(Nq * Lq);
-  at::Tensor maxbuf = at::full({Nd, nqv}, (int64_t)head::kHeadNegInfKey, q_in.options().dtype(at::kInt));
+  // -inf keys (the token bits of an argmax word are never read under them).
+  at::Tensor maxbuf = with_argmax ? at::full({Nd, nqv}, (int64_t)head::kHeadNegInfKey << 32, q_in.options().dtype(at::kLong))
+                                  : at::full({Nd, nqv}, (int64_t)head::kHeadNegInfKey, idx_opts);
 
   head::HeadParams p{};
   p.bias = b.defined() ? b.data_ptr() : nullptr;
   p.d_mask = dm.defined() ? reinterpret_cast<const unsigned char*>(dm.data_ptr<bool>()) : nullptr;
-  p.maxbuf = reinterpret_cast<uint32_t*>(maxbuf.data_ptr<int>());
+  p.maxbuf = maxbuf.data_ptr();
   p.T = rows;
   p.Ld = (int)Ld;
   p.nqv = nqv;
@@ -118,7 +128,8 @@ at::Tensor head_forward_cuda(const at::Tensor& q_in, const at::Tensor& h_in, con
     if constexpr (kIs16Bit<T>) {
       constexpr int MT = head::kHeadMT;
       constexpr int BM = head::HeadCfg<MT>::BM;
-      TORCH_CHECK(head_kernel_ready<T>(), "maxsim: head_forward: this build lacks the sm_90a kernel");
+      const bool ready = with_argmax ? head_kernel_ready<T, true>() : head_kernel_ready<T, false>();
+      TORCH_CHECK(ready, "maxsim: head_forward: this build lacks the sm_90a kernel");
       const int sms = std::max(1, prop->multiProcessorCount);
       const int64_t ntiles = (rows + BM - 1) / BM;
       const int groups = head_query_groups(ntiles, p.nqc, sms);
@@ -131,17 +142,18 @@ at::Tensor head_forward_cuda(const at::Tensor& q_in, const at::Tensor& h_in, con
           head_map<T>(w.data_ptr(), d_out, d_model, head::kHeadDout, CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
       const CUtensorMap qmap =
           head_map<T>(q.data_ptr(), nqv, d_out, head::kHeadNQ, CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
-      launch_pdl(head::head_fused_kernel<T, MT>, dim3(grid), dim3(head::kHeadThreads),
-                 (size_t)head::HeadCfg<MT>::SMEM, stream, hmap, wmap, qmap, p);
+      const auto kernel = with_argmax ? head::head_fused_kernel<T, MT, true> : head::head_fused_kernel<T, MT, false>;
+      launch_pdl(kernel, dim3(grid), dim3(head::kHeadThreads), (size_t)head::HeadCfg<MT>::SMEM, stream, hmap, wmap,
+                 qmap, p);
     }
   });
   const int64_t n = Nq * Nd;
   const int threads = 256;
-  launch_pdl(head::head_finalize_kernel, dim3((unsigned)((n + threads - 1) / threads)), dim3(threads), 0, stream,
-             (const uint32_t*)p.maxbuf,
+  launch_pdl(with_argmax ? head::head_finalize_kernel<true> : head::head_finalize_kernel<false>,
+             dim3((unsigned)((n + threads - 1) / threads)), dim3(threads), 0, stream, (const void*)p.maxbuf,
              qm.defined() ? reinterpret_cast<const unsigned char*>(qm.data_ptr<bool>()) : nullptr,
-             scores.data_ptr<float>(), Nq, Nd, (int)Lq);
-  return scores;
+             scores.data_ptr<float>(), with_argmax ? argmax.data_ptr<int>() : nullptr, Nq, Nd, (int)Lq);
+  return {scores, argmax};
 }
 
 }  // namespace maxsim

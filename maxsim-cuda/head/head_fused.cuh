@@ -106,10 +106,17 @@ __device__ __forceinline__ float head_unkey(uint32_t k) {
                           : __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
 }
 
+// With the argmax, a running maximum is one 64-bit word: the key above, then
+// ~token (the winner's index in its document), so that one atomic max keeps
+// the largest key and, among equal keys, the lowest token.
+__device__ __forceinline__ unsigned long long head_key_arg(uint32_t key, int token) {
+  return ((unsigned long long)key << 32) | (uint32_t)~(uint32_t)token;
+}
+
 struct HeadParams {
   const void* bias;             // [128] or null
   const unsigned char* d_mask;  // [T] (flat [Nd, Ld]) or null
-  uint32_t* maxbuf;             // [Nd, nqv] encoded running maxima
+  void* maxbuf;                 // [Nd, nqv] running maxima: keys (uint32), or head_key_arg words
   int64_t T;                    // hidden rows, Nd * Ld
   int64_t nwork;                // work items, ceil(T / BM) * qgroups
   int Ld;                       // tokens per document (>= 1)
@@ -202,7 +209,8 @@ __device__ __forceinline__ void head_epilogue(const HeadParams& p, float* acc, i
 
 // Step 4 for one block (nv > 0) and query chunk c: sacc holds S^T [64 rows
 // x 64 chunk tokens] (sacc[4 j + 2 h + e]: row 16 wq + g8 + 8 h, token
-// 8 j + 2 c4 + e).
+// 8 j + 2 c4 + e). ARG: the running maxima carry the winning token.
+template <bool ARG>
 __device__ __forceinline__ void head_reduce(const HeadParams& p, const HeadBlock& b, float* sacc, const bool* row_ok,
                                             int c, float* s_t, int wg, int wq, int g8, int c4, int tw) {
 #if MAXSIM_WG_DEVICE
@@ -235,7 +243,7 @@ __device__ __forceinline__ void head_reduce(const HeadParams& p, const HeadBlock
   const int pairs = b.nseg * ncol;
   const int parts = pairs > 64 ? 1 : pairs > 32 ? 2 : pairs > 16 ? 4 : 8;
   const int items = pairs * parts;
-  uint32_t* const mb = p.maxbuf + b.n_first * p.nqv + c * kHeadNQ;
+  const int64_t mb = b.n_first * p.nqv + c * kHeadNQ;
   for (int it = tw; it < items; it += 128) {
     const int part = it / pairs, pair = it - part * pairs;
     const int seg = pair / ncol, col = pair - seg * ncol;
@@ -245,20 +253,43 @@ __device__ __forceinline__ void head_reduce(const HeadParams& p, const HeadBlock
     const int per = (r1 - r0 + parts - 1) / parts;
     const int q0 = r0 + part * per;
     const int q1 = q0 + per < r1 ? q0 + per : r1;
-    float m[4] = {neg_inf(), neg_inf(), neg_inf(), neg_inf()};
     const float* sc = s_t + col;
     int r = q0;
-    for (; r + 4 <= q1; r += 4)
+    if constexpr (ARG) {
+      // Keys in row order, a strictly larger key replacing: the lowest row
+      // of the largest key (NaN the largest) per lane of 4, then merged.
+      uint32_t k[4] = {0u, 0u, 0u, 0u};
+      int at[4] = {0, 0, 0, 0};
+      for (; r + 4 <= q1; r += 4)
 #pragma unroll
-      for (int u = 0; u < 4; ++u) m[u] = max_nan(m[u], sc[(r + u) * kHeadSStride]);
-    for (; r < q1; ++r) m[0] = max_nan(m[0], sc[r * kHeadSStride]);
-    const float mx = max_nan(max_nan(m[0], m[1]), max_nan(m[2], m[3]));
-    if (mx != neg_inf()) atomicMax(mb + (int64_t)seg * p.nqv + col, head_key(mx));
+        for (int u = 0; u < 4; ++u) {
+          const uint32_t ku = head_key(sc[(r + u) * kHeadSStride]);
+          if (ku > k[u]) k[u] = ku, at[u] = r + u;
+        }
+      for (; r < q1; ++r) {
+        const uint32_t ku = head_key(sc[r * kHeadSStride]);
+        if (ku > k[0]) k[0] = ku, at[0] = r;
+      }
+#pragma unroll
+      for (int u = 1; u < 4; ++u)
+        if (k[u] > k[0] || (k[u] == k[0] && at[u] < at[0])) k[0] = k[u], at[0] = at[u];
+      if (k[0] > kHeadNegInfKey)
+        atomicMax(static_cast<unsigned long long*>(p.maxbuf) + mb + (int64_t)seg * p.nqv + col,
+                  head_key_arg(k[0], at[0] + b.off - seg * p.Ld));
+    } else {
+      float m[4] = {neg_inf(), neg_inf(), neg_inf(), neg_inf()};
+      for (; r + 4 <= q1; r += 4)
+#pragma unroll
+        for (int u = 0; u < 4; ++u) m[u] = max_nan(m[u], sc[(r + u) * kHeadSStride]);
+      for (; r < q1; ++r) m[0] = max_nan(m[0], sc[r * kHeadSStride]);
+      const float mx = max_nan(max_nan(m[0], m[1]), max_nan(m[2], m[3]));
+      if (mx != neg_inf()) atomicMax(static_cast<uint32_t*>(p.maxbuf) + mb + (int64_t)seg * p.nqv + col, head_key(mx));
+    }
   }
 #endif  // MAXSIM_WG_DEVICE
 }
 
-template <typename T, int MT>
+template <typename T, int MT, bool ARG>
 __global__ void __launch_bounds__(kHeadThreads, 1)
     head_fused_kernel(const __grid_constant__ CUtensorMap hmap, const __grid_constant__ CUtensorMap wmap,
                       const __grid_constant__ CUtensorMap qmap, const HeadParams p) {
@@ -428,7 +459,7 @@ __global__ void __launch_bounds__(kHeadThreads, 1)
         else
           wg_wait<0>();
         wg_fence_acc<32>(sacc[m]);
-        if (blk[m].nv > 0) head_reduce(p, blk[m], sacc[m], row_ok[m], c, s_t, wg, wq, g8, c4, tw);
+        if (blk[m].nv > 0) head_reduce<ARG>(p, blk[m], sacc[m], row_ok[m], c, s_t, wg, wq, g8, c4, tw);
       }
       // The chunk's groups have retired (as for the H / W ring): free its slot.
       if (!resident) {
@@ -442,8 +473,12 @@ __global__ void __launch_bounds__(kHeadThreads, 1)
 
 // scores [Nq, Nd] from the running maxima: query q's valid tokens' maxima
 // summed in token order; a token without any valid document token adds 0.
-__global__ void head_finalize_kernel(const uint32_t* __restrict__ maxbuf, const unsigned char* __restrict__ q_mask,
-                                     float* __restrict__ scores, int64_t Nq, int64_t Nd, int Lq) {
+// ARG: also argmax [Nq, Nd, Lq] int32, the winning token (-1: a masked query
+// token or no valid document token).
+template <bool ARG>
+__global__ void head_finalize_kernel(const void* __restrict__ maxbuf, const unsigned char* __restrict__ q_mask,
+                                     float* __restrict__ scores, int* __restrict__ argmax, int64_t Nq, int64_t Nd,
+                                     int Lq) {
   pdl_wait();
   const int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
   if (i >= Nq * Nd) return;
@@ -452,8 +487,17 @@ __global__ void head_finalize_kernel(const uint32_t* __restrict__ maxbuf, const 
   float sum = 0.f;
   for (int k = 0; k < Lq; ++k) {
     const int c = (int)q * Lq + k;
-    if (q_mask != nullptr && !q_mask[c]) continue;
-    const float v = head_unkey(maxbuf[n * nqv + c]);
+    const bool valid = q_mask == nullptr || q_mask[c];
+    uint32_t key;
+    if constexpr (ARG) {
+      const unsigned long long w = static_cast<const unsigned long long*>(maxbuf)[n * nqv + c];
+      key = (uint32_t)(w >> 32);
+      argmax[i * Lq + k] = valid && key > kHeadNegInfKey ? (int)~(uint32_t)w : -1;
+    } else {
+      key = static_cast<const uint32_t*>(maxbuf)[n * nqv + c];
+    }
+    if (!valid) continue;
+    const float v = head_unkey(key);
     sum += v == neg_inf() ? 0.f : v;
   }
   scores[i] = sum;

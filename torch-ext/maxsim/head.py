@@ -69,19 +69,19 @@ def _normalize_backward(P: Tensor, dD: Tensor) -> Tensor:
     return (dD - unit * along) * inv
 
 
-def _sum_per_row(tok: Tensor, dP: Tensor, Ld: int) -> tuple[Tensor, bool]:
+def _sum_per_row(tok: Tensor, dP: Tensor, Ld: int) -> tuple[Tensor, Optional[Tensor]]:
     """Sums the winners' gradients ``dP [G, S, d]`` of each document (group
     of S winners, ``tok [G, S]`` their tokens, -1 none) over equal tokens,
-    deterministically (a product with 0/1 matrices, no atomics): ``[G, Ld,
-    d]`` per token when Ld <= S, else ``[G, S, d]`` per winner with each
-    token's sum at its first winner and zeros at the others. Returns the sums
-    and whether they are per token."""
+    deterministically (a product with 0/1 matrices, no atomics). When Ld <=
+    S: ``([G, Ld, d], None)``, per token. Else ``([G, S, d], first)``, per
+    winner, each token's sum at its first winner (``first [G, S]``)."""
     if Ld <= tok.shape[1]:
         onehot = tok[:, None, :] == torch.arange(Ld, device=tok.device)[None, :, None]
-        return onehot.to(dP.dtype) @ dP, True
-    same = (tok[:, :, None] == tok[:, None, :]) & (tok >= 0)[:, :, None]
-    first = ~torch.tril(same, diagonal=-1).any(-1)
-    return (same & first[:, :, None]).to(dP.dtype) @ dP, False
+        return onehot.to(dP.dtype) @ dP, None
+    valid = tok >= 0
+    same = (tok[:, :, None] == tok[:, None, :]) & valid[:, :, None]
+    first = valid & ~torch.tril(same, diagonal=-1).any(-1)
+    return (same & first[:, :, None]).to(dP.dtype) @ dP, first
 
 
 class _HeadFromWinners(torch.autograd.Function):
@@ -93,19 +93,25 @@ class _HeadFromWinners(torch.autograd.Function):
     is chunked: documents, or each query's candidates side by side."""
 
     @staticmethod
-    def forward(ctx, Q3, H, W, b, q_mask, d_mask, normalize, per, per_backward):
+    def forward(ctx, Q3, H, W, b, q_mask, d_mask, normalize, per, per_backward, fused):
         candidates = H.dim() == 4
         n = H.shape[1] if candidates else H.shape[0]
         scores, idx = [], []
-        for n0 in range(0, max(n, 1), per):
+        # The fused kernel holds no projected tokens: one call.
+        for n0 in range(0, max(n, 1), n if fused else per):
             n1 = min(n, n0 + per)
             cut = (lambda t: t) if n1 - n0 == n else (lambda t: t[:, n0:n1] if candidates else t[n0:n1])
-            s, a = maxsim_with_argmax_nograd(Q3, _project(cut(H), W, b, normalize, Q3.dtype), q_mask,
-                                             None if d_mask is None else cut(d_mask))
+            mask = None if d_mask is None else cut(d_mask)
+            if fused:
+                s, a = ops.head_forward(Q3, H, W, b, q_mask, d_mask, normalize, True)
+            else:
+                s, a = maxsim_with_argmax_nograd(Q3, _project(cut(H), W, b, normalize, Q3.dtype), q_mask, mask)
             scores.append(s)
             idx.append(a)
         ctx.save_for_backward(Q3, H, W, b, idx[0] if len(idx) == 1 else torch.cat(idx, dim=1))
         ctx.normalize, ctx.per = normalize, per_backward
+        # Without masks every query token has a winner (Ld >= 1).
+        ctx.masked = q_mask is not None or d_mask is not None
         return scores[0] if len(scores) == 1 else torch.cat(scores, dim=1)
 
     @staticmethod
@@ -118,10 +124,13 @@ class _HeadFromWinners(torch.autograd.Function):
         Hrows = H.reshape(-1, d_model)
         grad = grad.float()
         dQ = torch.zeros(Q3.shape, device=Q3.device, dtype=torch.float32) if need_q else None
-        dH = torch.zeros(H.shape, device=H.device, dtype=H.dtype) if need_h else None
+        # dH's rows and one scratch row, the target of the winners that are
+        # not their token's first (their sums are at the first).
+        dH_rows = torch.zeros(Hrows.shape[0] + 1, d_model, device=H.device, dtype=H.dtype) if need_h else None
+        dH = dH_rows[:-1].view(H.shape) if need_h else None
         dW = torch.zeros(W.shape, device=W.device, dtype=torch.float32) if need_w else None
         db = torch.zeros(W.shape[0], device=W.device, dtype=torch.float32) if need_b else None
-        for n0 in range(0, n, ctx.per):
+        for n0 in range(0, n if Ld > 0 else 0, ctx.per):
             n1 = min(n, n0 + ctx.per)
             tok = idx[:, n0:n1]  # [Nq, c, Lq]
             win = tok >= 0
@@ -129,9 +138,10 @@ class _HeadFromWinners(torch.autograd.Function):
             if candidates:
                 first_row = first_row + torch.arange(Nq, device=idx.device)[:, None] * (n * Ld)
             rows = (first_row[..., None] + tok.clamp_min(0)).reshape(-1)
-            # Entries without a winner read token 0, which may hold anything
-            # (a masked token): zeroed, they contribute exact zeros.
-            Hw = Hrows.index_select(0, rows).masked_fill(~win.reshape(-1, 1), 0)
+            Hw = Hrows.index_select(0, rows)
+            if ctx.masked:  # a query token without a winner read token 0, which may
+                # hold anything (a masked token): zeroed, it contributes exact zeros
+                Hw.masked_fill_(~win.reshape(-1, 1), 0)
             Pw = F.linear(Hw, W, b)
             weight = torch.where(win, grad[:, n0:n1, None], 0.0)
             if need_q:
@@ -157,29 +167,32 @@ class _HeadFromWinners(torch.autograd.Function):
             else:
                 tok_g = tok.transpose(0, 1).reshape(n1 - n0, -1)
                 dP_g = dP.view(shape).transpose(0, 1).reshape(n1 - n0, Nq * Lq, -1)
-            sums, per_token = _sum_per_row(tok_g, dP_g, Ld)
+            sums, first = _sum_per_row(tok_g, dP_g, Ld)
             dH_part = sums @ W
-            if per_token:  # every row of these documents, in place
-                (dH[:, n0:n1] if candidates else dH[n0:n1]).copy_(dH_part.view(dH[:, n0:n1].shape if candidates
-                                                                                    else dH[n0:n1].shape))
-            else:  # one nonzero per row at most: the adds are exact in any order
-                rows_g = rows.view(shape[:3]).transpose(0, 1).reshape(-1) if not candidates else rows
-                dH.view(-1, d_model).index_add_(0, rows_g, dH_part.view(-1, d_model))
+            if first is None:  # per token: every row of these documents
+                block = dH[:, n0:n1] if candidates else dH[n0:n1]
+                block.copy_(dH_part.view(block.shape))
+            else:  # per winner: each token's sum from its first winner
+                rows_g = rows if candidates else rows.view(shape[:3]).transpose(0, 1).reshape(-1)
+                rows_g = torch.where(first.reshape(-1), rows_g, Hrows.shape[0])
+                dH_rows.index_put_((rows_g,), dH_part.view(-1, d_model))
         return (None if dQ is None else dQ.to(Q3.dtype), dH, None if dW is None else dW.to(W.dtype),
-                None if db is None else db.to(b.dtype), None, None, None, None, None)
+                None if db is None else db.to(b.dtype), None, None, None, None, None, None)
 
 
 HEAD_FORWARD = add_op_namespace_prefix("head_forward")
 
 
 @meta_kernel(HEAD_FORWARD)
-def _head_forward_fake(q, h, w, b, q_mask, d_mask, normalize):
-    return q.new_empty((q.shape[0], h.shape[0]), dtype=torch.float32)
+def _head_forward_fake(q, h, w, b, q_mask, d_mask, normalize, with_argmax):
+    argmax = (q.shape[0], h.shape[0], q.shape[1]) if with_argmax else (0,)
+    return q.new_empty((q.shape[0], h.shape[0]), dtype=torch.float32), q.new_empty(argmax, dtype=torch.int32)
 
 
-def _reference_head_forward(q, h, w, b, q_mask, d_mask, normalize):
+def _reference_head_forward(q, h, w, b, q_mask, d_mask, normalize, with_argmax):
     warn_fallback("head_forward", q.device.type)
-    return _chunk_scores(q, h, w, b, q_mask, d_mask, normalize)
+    scores, argmax = maxsim_with_argmax_nograd(q, _project(h, w, b, normalize, q.dtype), q_mask, d_mask)
+    return scores, argmax if with_argmax else argmax.new_empty((0,))
 
 
 # The op is compiled for CUDA only (the sm_90a kernel); elsewhere it is the
@@ -196,7 +209,8 @@ def _sm90(index: int) -> bool:
 
 
 def _fused_ok(Q3: Tensor, H: Tensor, W: Tensor, b: Optional[Tensor], q_mask, d_mask) -> bool:
-    """Whether ``head_forward``'s fused kernel takes this (inference) call:
+    """Whether ``head_forward``'s fused kernel takes this call (inference,
+    or training's forward on the winners' path):
     an sm_90 GPU, fp16 / bf16 throughout, d_out 128, d_model a multiple of
     64, at most 1024 query tokens in all, shared documents (3-D H,
     contiguous, 16-byte aligned: it streams through TMA), boolean masks of
@@ -262,7 +276,8 @@ def maxsim_from_hidden(Q: Tensor, H: Tensor, W: Tensor, b: Optional[Tensor] = No
         group = Lq if candidates else Q3.shape[0] * Lq
         entry_bytes = (H.shape[-1] * 2 + min(Ld, group)) * H.element_size() + Q3.shape[-1] * 24
         per_backward = max(1, (chunk_mib << 20) // max(Q3.shape[0] * Lq * entry_bytes, 1))
-        out = _HeadFromWinners.apply(Q3, H, W, b, q_mask, d_mask, normalize, per, per_backward)
+        fused = not candidates and _fused_ok(Q3, H, W, b, q_mask, d_mask)
+        out = _HeadFromWinners.apply(Q3, H, W, b, q_mask, d_mask, normalize, per, per_backward, fused)
         return out[0] if single else out
     fused = not train and not candidates and _fused_ok(Q3, H, W, b, q_mask, d_mask)
     parts = []
@@ -275,7 +290,7 @@ def maxsim_from_hidden(Q: Tensor, H: Tensor, W: Tensor, b: Optional[Tensor] = No
         mc = None if d_mask is None else cut(d_mask)
         Qc, qm = (cut(Q3), None if q_mask is None else cut(q_mask)) if candidates else (Q3, q_mask)
         if fused:
-            parts.append(ops.head_forward(Qc, Hc, W, b, qm, mc, normalize))
+            parts.append(ops.head_forward(Qc, Hc, W, b, qm, mc, normalize, False)[0])
         elif train and n1 - n0 < n:
             parts.append(checkpoint(_chunk_scores, Qc, Hc, W, b, qm, mc, normalize, use_reentrant=False))
         else:
