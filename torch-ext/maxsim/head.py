@@ -58,61 +58,40 @@ def _chunk_scores(Q, H, W, b, q_mask, d_mask, normalize):
 _WINNERS_PER_ROW = 8
 
 
-def _normalize_backward(P: Tensor, dD: Tensor) -> Tensor:
-    """fp32 gradient of ``P / max(|P|, eps)`` per row: (dD - u <u, dD>) / |P|,
-    u the unit row (dD / eps for a row under the clamp)."""
-    P = P.float()
-    norm = P.norm(dim=-1, keepdim=True)
-    inv = 1.0 / norm.clamp_min(_NORM_EPS)
-    unit = P * inv
-    along = torch.where(norm > _NORM_EPS, (unit * dD).sum(-1, keepdim=True), 0.0)
-    return (dD - unit * along) * inv
-
-
-def _sum_per_row(tok: Tensor, dP: Tensor, Ld: int) -> tuple[Tensor, Optional[Tensor]]:
-    """Sums the winners' gradients ``dP [G, S, d]`` of each document (group
-    of S winners, ``tok [G, S]`` their tokens, -1 none) over equal tokens,
-    deterministically (a product with 0/1 matrices, no atomics). When Ld <=
-    S: ``([G, Ld, d], None)``, per token. Else ``([G, S, d], first)``, per
-    winner, each token's sum at its first winner (``first [G, S]``)."""
-    if Ld <= tok.shape[1]:
-        onehot = tok[:, None, :] == torch.arange(Ld, device=tok.device)[None, :, None]
-        return onehot.to(dP.dtype) @ dP, None
-    valid = tok >= 0
-    same = (tok[:, :, None] == tok[:, None, :]) & valid[:, :, None]
-    first = valid & ~torch.tril(same, diagonal=-1).any(-1)
-    return (same & first[:, :, None]).to(dP.dtype) @ dP, first
-
-
 class _HeadFromWinners(torch.autograd.Function):
     """maxsim_from_hidden in training where the winners are few: the forward
-    projects and scores a chunk of documents at a time and keeps only the
-    argmax; the backward gathers the winning hidden-state rows, re-projects
-    them and applies the chain rule per winner, so its work and memory scale
-    with the winners, not the batch. Dimension 1 of the argmax [Nq, n, Lq]
-    is chunked: documents, or each query's candidates side by side."""
+    keeps only the argmax (from the fused kernel, or projecting and scoring
+    a chunk of documents at a time); the backward gathers the winning hidden
+    rows, re-projects them and applies the chain rule per winner, so its
+    projection work scales with the winners, not the batch. Each document's
+    token gradients are summed from its winners by a product with their 0/1
+    token matrix (deterministic, no atomics) and mapped back through W in one
+    GEMM that writes every row of dH (zeros included): no fill, no scatter.
+    Dimension 1 of the argmax [Nq, n, Lq] is chunked: documents, or each
+    query's candidates side by side."""
 
     @staticmethod
     def forward(ctx, Q3, H, W, b, q_mask, d_mask, normalize, per, per_backward, fused):
         candidates = H.dim() == 4
         n = H.shape[1] if candidates else H.shape[0]
-        scores, idx = [], []
-        # The fused kernel holds no projected tokens: one call.
-        for n0 in range(0, max(n, 1), n if fused else per):
-            n1 = min(n, n0 + per)
-            cut = (lambda t: t) if n1 - n0 == n else (lambda t: t[:, n0:n1] if candidates else t[n0:n1])
-            mask = None if d_mask is None else cut(d_mask)
-            if fused:
-                s, a = ops.head_forward(Q3, H, W, b, q_mask, d_mask, normalize, True)
-            else:
-                s, a = maxsim_with_argmax_nograd(Q3, _project(cut(H), W, b, normalize, Q3.dtype), q_mask, mask)
-            scores.append(s)
-            idx.append(a)
-        ctx.save_for_backward(Q3, H, W, b, idx[0] if len(idx) == 1 else torch.cat(idx, dim=1))
+        if fused:  # no projected tokens are held: one call
+            scores, idx = ops.head_forward(Q3, H, W, b, q_mask, d_mask, normalize, True)
+        else:
+            parts, winners = [], []
+            for n0 in range(0, max(n, 1), per):
+                n1 = min(n, n0 + per)
+                cut = (lambda t: t) if n1 - n0 == n else (lambda t: t[:, n0:n1] if candidates else t[n0:n1])
+                s, a = maxsim_with_argmax_nograd(Q3, _project(cut(H), W, b, normalize, Q3.dtype), q_mask,
+                                                 None if d_mask is None else cut(d_mask))
+                parts.append(s)
+                winners.append(a)
+            scores = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+            idx = winners[0] if len(winners) == 1 else torch.cat(winners, dim=1)
+        ctx.save_for_backward(Q3, H, W, b, idx)
         ctx.normalize, ctx.per = normalize, per_backward
         # Without masks every query token has a winner (Ld >= 1).
         ctx.masked = q_mask is not None or d_mask is not None
-        return scores[0] if len(scores) == 1 else torch.cat(scores, dim=1)
+        return scores
 
     @staticmethod
     def backward(ctx, grad):
@@ -121,61 +100,69 @@ class _HeadFromWinners(torch.autograd.Function):
         candidates = H.dim() == 4
         Nq, n, Lq = idx.shape
         Ld, d_model = H.shape[-2:]
+        d_out = W.shape[0]
         Hrows = H.reshape(-1, d_model)
-        grad = grad.float()
-        dQ = torch.zeros(Q3.shape, device=Q3.device, dtype=torch.float32) if need_q else None
-        # dH's rows and one scratch row, the target of the winners that are
-        # not their token's first (their sums are at the first).
-        dH_rows = torch.zeros(Hrows.shape[0] + 1, d_model, device=H.device, dtype=H.dtype) if need_h else None
-        dH = dH_rows[:-1].view(H.shape) if need_h else None
-        dW = torch.zeros(W.shape, device=W.device, dtype=torch.float32) if need_w else None
-        db = torch.zeros(W.shape[0], device=W.device, dtype=torch.float32) if need_b else None
-        for n0 in range(0, n if Ld > 0 else 0, ctx.per):
+        chunks = range(0, n if Ld > 0 and Nq * Lq > 0 else 0, ctx.per)
+        several = len(chunks) > 1
+        weight = torch.where(idx >= 0, grad.float()[..., None], 0.0)  # [Nq, n, Lq]
+        Qf = Q3.float()
+        dQ = dH = dW = db = None
+        if need_h and (several or not chunks):
+            dH = (torch.empty if chunks else torch.zeros)(H.shape, device=H.device, dtype=H.dtype)
+        for n0 in chunks:
             n1 = min(n, n0 + ctx.per)
+            c = n1 - n0
             tok = idx[:, n0:n1]  # [Nq, c, Lq]
-            win = tok >= 0
-            first_row = torch.arange(n0, n1, device=idx.device)[None, :] * Ld
+            first_row = torch.arange(n0 * Ld, n1 * Ld, Ld, device=idx.device)
             if candidates:
-                first_row = first_row + torch.arange(Nq, device=idx.device)[:, None] * (n * Ld)
-            rows = (first_row[..., None] + tok.clamp_min(0)).reshape(-1)
-            Hw = Hrows.index_select(0, rows)
+                first_row = first_row + torch.arange(0, Nq * n * Ld, n * Ld, device=idx.device)[:, None]
+            Hw = Hrows.index_select(0, (first_row[..., None] + tok.clamp_min(0)).view(-1))
             if ctx.masked:  # a query token without a winner read token 0, which may
                 # hold anything (a masked token): zeroed, it contributes exact zeros
-                Hw.masked_fill_(~win.reshape(-1, 1), 0)
-            Pw = F.linear(Hw, W, b)
-            weight = torch.where(win, grad[:, n0:n1, None], 0.0)
+                Hw.masked_fill_((tok < 0).view(-1, 1), 0)
+            unit = F.linear(Hw, W, b).float()
+            if ctx.normalize:  # rows as the forward scored them, in fp32
+                norm = torch.linalg.vector_norm(unit, dim=-1, keepdim=True)
+                inv = norm.clamp_min(_NORM_EPS).reciprocal_()
+                unit.mul_(inv)
+            w = weight[:, n0:n1, :, None]
             if need_q:
-                Dw = _finish(Pw, ctx.normalize, Q3.dtype).view(Nq, n1 - n0, Lq, -1)  # the forward's tokens
-                dQ += torch.einsum("ics,icsd->isd", weight, Dw.float())
+                part = (w * unit.view(Nq, c, Lq, d_out)).sum(1)
+                dQ = part if dQ is None else dQ.add_(part)
             if not (need_h or need_w or need_b):
                 continue
-            dP = (weight[..., None] * Q3[:, None].float()).reshape(Pw.shape)
-            if ctx.normalize:
-                dP = _normalize_backward(Pw, dP)
+            dP = (w * Qf[:, None]).view(-1, d_out)
+            if ctx.normalize:  # the Jacobian of x / max(|x|, eps): (g - u <u, g>) / |x|
+                along = (unit * dP).sum(-1, keepdim=True).mul_(norm > _NORM_EPS)
+                dP.sub_(unit.mul_(along)).mul_(inv)
             if need_b:
-                db += dP.sum(0)
+                part = dP.sum(0)
+                db = part if db is None else db.add_(part)
             dP = dP.to(H.dtype)
             if need_w:
-                dW += (dP.t() @ Hw).float()
-            if not need_h:
-                continue
-            # Group the winners by document: [G, S] (shared documents: all
-            # queries' tokens of one document; candidates: one pair's).
-            shape = (Nq, n1 - n0, Lq, -1)
-            if candidates:
-                tok_g, dP_g = tok.reshape(-1, Lq), dP.view(-1, Lq, dP.shape[-1])
-            else:
-                tok_g = tok.transpose(0, 1).reshape(n1 - n0, -1)
-                dP_g = dP.view(shape).transpose(0, 1).reshape(n1 - n0, Nq * Lq, -1)
-            sums, first = _sum_per_row(tok_g, dP_g, Ld)
-            dH_part = sums @ W
-            if first is None:  # per token: every row of these documents
-                block = dH[:, n0:n1] if candidates else dH[n0:n1]
-                block.copy_(dH_part.view(block.shape))
-            else:  # per winner: each token's sum from its first winner
-                rows_g = rows if candidates else rows.view(shape[:3]).transpose(0, 1).reshape(-1)
-                rows_g = torch.where(first.reshape(-1), rows_g, Hrows.shape[0])
-                dH_rows.index_put_((rows_g,), dH_part.view(-1, d_model))
+                part = dP.t() @ Hw
+                dW = part if not several else part.float() if dW is None else dW.add_(part.float())
+            if need_h:
+                # Per document: its winners' tokens [G, S] and gradients (S =
+                # Nq Lq for shared documents, Lq for a query's candidate).
+                if candidates:
+                    tok_g, dP_g = tok.reshape(-1, Lq), dP.view(-1, Lq, d_out)
+                else:
+                    tok_g = tok.transpose(0, 1).reshape(c, Nq * Lq)
+                    dP_g = dP.view(Nq, c, Lq, d_out).transpose(0, 1).reshape(c, Nq * Lq, d_out)
+                onehot = (tok_g[:, None, :] == torch.arange(Ld, device=idx.device)[:, None]).to(dP.dtype)
+                rows = (onehot @ dP_g).view(-1, d_out) @ W  # [G Ld, d_model]: every row of these documents
+                if dH is None:
+                    dH = rows.view(H.shape)
+                else:
+                    block = dH[:, n0:n1] if candidates else dH[n0:n1]
+                    block.copy_(rows.view(block.shape))
+        if need_q and dQ is None:
+            dQ = torch.zeros_like(Q3)
+        if need_w and dW is None:
+            dW = torch.zeros_like(W)
+        if need_b and db is None:
+            db = torch.zeros_like(b)
         return (None if dQ is None else dQ.to(Q3.dtype), dH, None if dW is None else dW.to(W.dtype),
                 None if db is None else db.to(b.dtype), None, None, None, None, None, None)
 
