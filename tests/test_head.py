@@ -151,14 +151,14 @@ def test_from_hidden_winners_poison_and_shapes(ms, device, dtype, candidates, tr
         clean = H.masked_fill(~d_mask[..., None], 0)
         refs = [t.detach().double().requires_grad_(True) for t in (Q, clean, W, b)]
         ref = ms.head.maxsim_from_hidden_reference(*refs, d_mask, q_mask=q_mask)
-        gout = torch.randn(ref.shape, generator=g).double()
+        gout = torch.randn(ref.shape, generator=g).double().to(device)
         (ref * gout).sum().backward()
         for only in (None, 1, 2):  # every input; H only; W only
             leaves = [t.clone().requires_grad_(only is None or i == only) for i, t in enumerate((Q, H, W, b))]
             out = ms.maxsim_from_hidden(*leaves, d_mask, q_mask=q_mask)
             tol = 1e-4 if dtype == torch.float32 else 3e-2
             assert out.shape == ref.shape and relerr(out, ref, floor=1.0) < tol / 10
-            (out * gout.to(device)).sum().backward()
+            (out * gout).sum().backward()
             for i, (a, r) in enumerate(zip(leaves, refs)):
                 if only is not None and i != only:
                     assert a.grad is None
@@ -305,8 +305,10 @@ def test_fused_head_forward_argmax(ms, dtype, shape):
                                    (32, 32, 7, 45, 768)], ids=lambda s: "x".join(map(str, s)))
 def test_from_hidden_training_fused_forward(ms, shape, monkeypatch):
     """Training on the winners' path takes its forward (scores and argmax)
-    from the fused kernel: scores bitwise those of inference, every gradient
-    against fp64, deterministic."""
+    from the fused kernel: scores bitwise those of inference; every gradient
+    against fp64 through the same winners (with 300 tokens a document, bf16
+    rounding moves near-ties, each a whole token's gradient elsewhere);
+    deterministic."""
     monkeypatch.setattr(ms.head, "_WINNERS_PER_ROW", 10 ** 9)
     Nq, Lq, Nd, Ld, dm = shape
     (Q, H, W, b), q_mask, d_mask = _fused_inputs(Nq, Lq, Nd, Ld, dm, torch.bfloat16, True, seed=Ld)
@@ -320,11 +322,15 @@ def test_from_hidden_training_fused_forward(ms, shape, monkeypatch):
         assert torch.equal(out.detach(), inference)
         (out * gout).sum().backward()
         grads.append([t.grad for t in leaves])
+    _, idx = ms.ops.head_forward(Q, H, W, b, q_mask, d_mask, True, True)
     refs = [t.detach().double().requires_grad_(True) for t in (Q, H, W, b)]
-    ref = ms.head.maxsim_from_hidden_reference(*refs, d_mask, q_mask=q_mask)
+    D = torch.nn.functional.normalize(torch.nn.functional.linear(*refs[1:]), dim=-1)
+    winners = D[torch.arange(Nd, device="cuda")[None, :, None], idx.clamp_min(0).long()]  # [Nq, Nd, Lq, d]
+    ref = ((refs[0][:, None] * winners).sum(-1) * (idx >= 0)).sum(-1)
+    assert relerr(ref, inference, floor=1.0) < FUSED_TOL[torch.bfloat16]
     (ref * gout.double()).sum().backward()
     for a, a2, r, name in zip(grads[0], grads[1], refs, "QHWb"):
-        assert relerr(a, r.grad) < 3e-2, name
+        assert relerr(a, r.grad) < 2e-2, name
         assert torch.equal(a, a2), name
 
 

@@ -55,7 +55,7 @@ def _chunk_scores(Q, H, W, b, q_mask, d_mask, normalize):
 # document) winners per hidden-state row, the backward projects only the
 # winning rows (the gradient of every other row is zero) instead of the
 # whole batch; with more, the composition's dense backward does less work.
-_WINNERS_PER_ROW = 8
+_WINNERS_PER_ROW = 4
 
 
 class _HeadFromWinners(torch.autograd.Function):
