@@ -170,6 +170,23 @@ def test_from_hidden_winners_poison_and_shapes(ms, device, dtype, candidates, tr
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(2, 3, 0, 5), (2, 0, 4, 5), (2, 3, 4, 0), (0, 3, 4, 5)],
+                         ids=["no-docs", "no-query-tokens", "no-doc-tokens", "no-queries"])
+def test_from_hidden_training_empty(ms, device, shape, train_path):
+    """Empty extents: zero scores of the right shape and zero gradients of
+    every input's shape, shared documents and candidates."""
+    Nq, Lq, Nd, Ld = shape
+    for lead in ((Nd,), (Nq, Nd)):
+        leaves = [torch.randn(*s, device=device, requires_grad=True)
+                  for s in ((Nq, Lq, 8), lead + (Ld, 16), (8, 16), (8,))]
+        out = ms.maxsim_from_hidden(*leaves)
+        assert out.shape == (Nq, Nd) and torch.all(out == 0)
+        out.sum().backward()
+        for t in leaves:
+            assert t.grad.shape == t.shape and torch.all(t.grad == 0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_from_hidden_winners_compile_and_graph(ms, device, monkeypatch):
     """A training step on the winners' path: the same gradients under
     torch.compile(fullgraph=True) and (CUDA) in a captured graph."""
