@@ -4,15 +4,15 @@
 (optionally L2-normalised per token) without ever holding the projected
 documents of the whole batch: documents are projected a chunk at a time
 (about ``chunk_mib`` MiB of projected tokens) and scored by the compiled
-MaxSim kernels; in training every chunk is checkpointed, so the backward
-re-projects it instead of keeping it, and the memory stays one chunk's
-whatever the batch. Differentiable in ``Q``, ``H``, ``W`` and ``b``. In
-training this is the chunked composition (cuBLAS projection + the MaxSim
-kernels). Inference on an sm_90 GPU within the fused kernel's scope (fp16 /
-bf16, ``d_out == 128``, ``d_model`` a multiple of 64, at most 1024 query
-tokens in all, documents shared by every query) takes the op
-``head_forward``: one kernel projects, normalises and scores each tile of
-hidden states without writing the projected documents to memory.
+MaxSim kernels. Differentiable in ``Q``, ``H``, ``W`` and ``b``. On an sm_90
+GPU within the fused kernel's scope (fp16 / bf16, ``d_out == 128``,
+``d_model`` a multiple of 64, at most 1024 query tokens in all, documents
+shared by every query) the op ``head_forward`` projects, normalises and
+scores each tile of hidden states without writing the projected documents
+to memory. Training with few winners a hidden row keeps only the argmax
+(from that op where in scope) and back-propagates through the winning rows
+alone (:class:`_HeadFromWinners`); with many, it is the chunked composition
+(cuBLAS projection + the MaxSim kernels), each chunk checkpointed.
 """
 
 from __future__ import annotations
