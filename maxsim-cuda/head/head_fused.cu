@@ -108,8 +108,9 @@ std::tuple<at::Tensor, at::Tensor> head_forward_cuda(const at::Tensor& q_in, con
   const at::Tensor dm = d_mask_in ? d_mask_in->contiguous() : at::Tensor();
   const int nqv = (int)(Nq * Lq);
   // -inf keys (the token bits of an argmax word are never read under them).
-  at::Tensor maxbuf = with_argmax ? at::full({Nd, nqv}, (int64_t)head::kHeadNegInfKey << 32, q_in.options().dtype(at::kLong))
-                                  : at::full({Nd, nqv}, (int64_t)head::kHeadNegInfKey, idx_opts);
+  at::Tensor maxbuf = with_argmax
+                          ? at::full({Nd, nqv}, (int64_t)head::kHeadNegInfKey << 32, q_in.options().dtype(at::kLong))
+                          : at::full({Nd, nqv}, (int64_t)head::kHeadNegInfKey, idx_opts);
 
   head::HeadParams p{};
   p.bias = b.defined() ? b.data_ptr() : nullptr;

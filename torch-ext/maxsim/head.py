@@ -37,14 +37,10 @@ _NORM_EPS = 1e-12  # F.normalize's
 __all__ = ["maxsim_from_hidden", "maxsim_from_hidden_reference"]
 
 
-def _finish(P: Tensor, normalize: bool, dtype) -> Tensor:
-    """Projected tokens as scored: normalised (optionally), in ``dtype``."""
-    # F.normalize reduces in fp32 without an fp32 copy of the projected tokens.
-    return (F.normalize(P, dim=-1, eps=_NORM_EPS) if normalize else P).to(dtype)
-
-
 def _project(H: Tensor, W: Tensor, b: Optional[Tensor], normalize: bool, dtype) -> Tensor:
-    return _finish(F.linear(H, W, b), normalize, dtype)
+    D = F.linear(H, W, b)
+    # F.normalize reduces in fp32 without an fp32 copy of the projected tokens.
+    return (F.normalize(D, dim=-1, eps=_NORM_EPS) if normalize else D).to(dtype)
 
 
 def _chunk_scores(Q, H, W, b, q_mask, d_mask, normalize):
@@ -105,7 +101,7 @@ class _HeadFromWinners(torch.autograd.Function):
         chunks = range(0, n if Ld > 0 and Nq * Lq > 0 else 0, ctx.per)
         several = len(chunks) > 1
         weight = torch.where(idx >= 0, grad.float()[..., None], 0.0)  # [Nq, n, Lq]
-        Qf = Q3.float()
+        Qf = Q3.float() if need_h or need_w or need_b else None
         dQ = dH = dW = db = None
         if need_h and (several or not chunks):
             dH = (torch.empty if chunks else torch.zeros)(H.shape, device=H.device, dtype=H.dtype)
@@ -178,8 +174,9 @@ def _head_forward_fake(q, h, w, b, q_mask, d_mask, normalize, with_argmax):
 
 def _reference_head_forward(q, h, w, b, q_mask, d_mask, normalize, with_argmax):
     warn_fallback("head_forward", q.device.type)
-    scores, argmax = maxsim_with_argmax_nograd(q, _project(h, w, b, normalize, q.dtype), q_mask, d_mask)
-    return scores, argmax if with_argmax else argmax.new_empty((0,))
+    if not with_argmax:
+        return _chunk_scores(q, h, w, b, q_mask, d_mask, normalize), q.new_empty((0,), dtype=torch.int32)
+    return maxsim_with_argmax_nograd(q, _project(h, w, b, normalize, q.dtype), q_mask, d_mask)
 
 
 # The op is compiled for CUDA only (the sm_90a kernel); elsewhere it is the
@@ -254,13 +251,13 @@ def maxsim_from_hidden(Q: Tensor, H: Tensor, W: Tensor, b: Optional[Tensor] = No
     per = max(1, (chunk_mib << 20) // row_bytes)
     train = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (Q3, H, W, b))
     Lq, Ld = Q3.shape[1], H.shape[-2]
-    if train and (Lq if candidates else Q3.shape[0] * Lq) <= _WINNERS_PER_ROW * Ld:
+    group = Lq if candidates else Q3.shape[0] * Lq  # winners a document (or candidate) gets
+    if train and group <= _WINNERS_PER_ROW * Ld:
         # Chunks over documents (or each query's candidates, side by side).
         unit = Ld * (Q3.shape[0] if candidates else 1)
         per = max(1, (chunk_mib << 20) // max(unit * Q3.shape[-1] * 4, 1))
         # A winner's backward holds its hidden row twice, a few fp32 rows and
         # a row of its document's 0/1 sum matrix.
-        group = Lq if candidates else Q3.shape[0] * Lq
         entry_bytes = (H.shape[-1] * 2 + min(Ld, group)) * H.element_size() + Q3.shape[-1] * 24
         per_backward = max(1, (chunk_mib << 20) // max(Q3.shape[0] * Lq * entry_bytes, 1))
         fused = not candidates and _fused_ok(Q3, H, W, b, q_mask, d_mask)
