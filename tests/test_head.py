@@ -133,8 +133,9 @@ def test_from_hidden_winners_poison_and_shapes(ms, device, dtype, candidates, tr
     so there the garbage is NaN and inf; the composition's dW is a product
     with every row, as torch's Linear backward is, so there it is finite."""
     g = torch.Generator().manual_seed(21)
-    # Winners per document (Nq Lq shared, Lq candidates) below and above Ld:
-    # both of the backward's per-row sums.
+    # Winners per document (Nq Lq shared, Lq candidates) few and many against
+    # Ld: both orders of the backward (project the winners' gradients, then
+    # place them; or place them, then project every row).
     for Nq, Lq, Nd, Ld in ((1, 1, 3, 1), (3, 15, 5, 33), (2, 15, 5, 33), (2, 17, 4, 7)):
         lead = (Nq, Nd) if candidates else (Nd,)
         Q = torch.nn.functional.normalize(torch.randn(Nq, Lq, 24, generator=g), dim=-1).to(device, dtype)
@@ -184,6 +185,88 @@ def test_from_hidden_training_empty(ms, device, shape, train_path):
         out.sum().backward()
         for t in leaves:
             assert t.grad.shape == t.shape and torch.all(t.grad == 0)
+
+
+def _winners(Nq, c, Lq, Ld, g, device):
+    """Random winners [Nq, c, Lq] with -1 (none) in a fifth, as a strided
+    slice of a larger argmax (the backward's chunks are)."""
+    idx = torch.randint(0, max(Ld, 1), (Nq, c + 2, Lq), generator=g, dtype=torch.int32)
+    idx[torch.rand(idx.shape, generator=g) < 0.2] = -1
+    return idx.to(device)[:, 1:-1]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("d_out", [15, 128, 200])
+def test_head_winner_grad_op(ms, device, dtype, normalize, d_out):
+    """head_winner_grad against fp64 autograd of sum(w <q, u(unit)>): dq,
+    each row's gradient dp and db; rows without a winner are NaN and must
+    not be read; the same bits twice."""
+    ops = ms.head.ops  # importing the head registers the CPU composition
+    g = torch.Generator().manual_seed(d_out)
+    Nq, c, Lq = 3, 37, 5
+    idx = _winners(Nq, c, Lq, 9, g, device)
+    unit = torch.randn(Nq, c, Lq, d_out, generator=g).to(device, dtype)
+    unit = unit.masked_fill((idx < 0)[..., None], float("nan"))
+    q = torch.randn(Nq, Lq, d_out, generator=g).to(device)
+    grad = torch.randn(Nq, c + 3, generator=g).to(device)[:, 2:-1]
+    won = (idx >= 0)[..., None].double()
+    u64 = torch.nan_to_num(unit.double(), nan=0.0).requires_grad_(True)
+    u = torch.nn.functional.normalize(u64, dim=-1, eps=1e-12) if normalize else u64
+    w = grad.double()[..., None, None] * won
+    (w * u * q.double()[:, None]).sum().backward()
+    dq_ref = (w * u).sum(1)
+    for need_dp in (True, False):
+        dq, dp, db = ops.head_winner_grad(unit, q, grad, idx, normalize, need_dp)
+        assert dq.dtype == torch.float32 and relerr(dq, dq_ref) < 1e-5
+        if not need_dp:
+            assert dp.numel() == 0 and db.numel() == 0
+            continue
+        assert dp.dtype == dtype and dp.shape == unit.shape
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        assert relerr(dp, u64.grad) < tol and torch.all(dp[idx < 0] == 0)
+        assert relerr(db, u64.grad.sum((0, 1, 2))) < 1e-4
+        again = ops.head_winner_grad(unit, q, grad, idx, normalize, need_dp)
+        assert all(torch.equal(a, b) for a, b in zip((dq, dp, db), again))
+    if normalize:  # a zero row: x / max(|x|, eps) is x / eps there
+        idx[0, 0, 0], unit[0, 0, 0] = 3, 0
+        dp = ops.head_winner_grad(unit, q, grad, idx, normalize, True)[1]
+        assert relerr(dp[0, 0, 0], grad[0, 0] * q[0, 0] / 1e-12) < tol
+    meta = ops.head_winner_grad(*(t.to("meta") for t in (unit, q, grad, idx)), normalize, True)
+    assert [t.shape for t in meta] == [q.shape, unit.shape, (d_out,)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("per_query", [False, True])
+@pytest.mark.parametrize("width", [17, 64, 520])
+def test_head_scatter_rows_op(ms, device, dtype, per_query, width):
+    """head_scatter_rows against an fp64 loop: every row written (zeros
+    included, over a poisoned allocator), winners summed per token; on CUDA
+    the same bits as the CPU composition (one summation order)."""
+    ops = ms.head.ops  # importing the head registers the CPU composition
+    g = torch.Generator().manual_seed(width)
+    for Nq, c, Lq, Ld in ((3, 7, 15, 6), (2, 5, 33, 40), (1, 1, 1, 1), (4, 3, 17, 1)):
+        idx = _winners(Nq, c, Lq, Ld, g, device)
+        rows = torch.randn(Nq, c, Lq, width, generator=g).to(device, dtype)
+        rows = rows.masked_fill((idx < 0)[..., None], float("nan"))  # never read
+        if device == "cuda":
+            torch.empty(Nq * c * Ld * width * 4, device=device).fill_(float("nan"))  # poison freed memory
+        out = ops.head_scatter_rows(rows, idx, Ld, per_query)
+        ref = torch.zeros((Nq, c, Ld, width) if per_query else (c, Ld, width), dtype=torch.float64)
+        for i, j, k in (idx >= 0).nonzero().tolist():
+            ref[(i, j) if per_query else j][idx[i, j, k]] += rows[i, j, k].double().cpu()
+        assert out.dtype == dtype and out.shape == ref.shape
+        assert relerr(out, ref) < (1e-6 if dtype == torch.float32 else 1e-2)
+        assert torch.equal(out.cpu(), ms.head._reference_head_scatter_rows(rows.cpu(), idx.cpu(), Ld, per_query))
+    assert ops.head_scatter_rows(rows.to("meta"), idx.to("meta"), 3, per_query).shape[-2:] == (3, width)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA build only")
+def test_head_backward_ops_compiled_on_cuda(ms):
+    for op in ("head_winner_grad", "head_scatter_rows"):
+        assert (op, "CUDA") not in ms.FALLBACKS
 
 
 @pytest.mark.parametrize("device", DEVICES)

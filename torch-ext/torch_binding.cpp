@@ -51,6 +51,12 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.def(
       "head_forward(Tensor q, Tensor h, Tensor w, Tensor? b, Tensor? q_mask, Tensor? d_mask, bool normalize, "
       "bool with_argmax) -> (Tensor, Tensor)");
+  // Its training backward from the winners (head.py), CUDA kernels; other
+  // devices take the composition in head.py.
+  ops.def(
+      "head_winner_grad(Tensor unit, Tensor q, Tensor grad, Tensor idx, bool normalize, bool need_dp) -> "
+      "(Tensor dq, Tensor dp, Tensor db)");
+  ops.def("head_scatter_rows(Tensor rows, Tensor idx, int ld, bool per_query) -> Tensor");
   // The CUDA forward's plan for a call's shape facts (forward_plan.h): no
   // tensors, one implementation for every backend.
   ops.def(
@@ -89,6 +95,8 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.impl("plaid_forward", torch::kCUDA, &maxsim::plaid_forward_cuda);
   ops.impl("plaid_backward", torch::kCUDA, &maxsim::plaid_backward_cuda);
   ops.impl("head_forward", torch::kCUDA, &maxsim::head_forward_cuda);
+  ops.impl("head_winner_grad", torch::kCUDA, &maxsim::head_winner_grad_cuda);
+  ops.impl("head_scatter_rows", torch::kCUDA, &maxsim::head_scatter_rows_cuda);
 #endif
 #if defined(METAL_KERNEL)
   ops.impl("forward", torch::kMPS, &maxsim::forward_mps);

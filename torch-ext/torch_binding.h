@@ -238,6 +238,28 @@ using HeadForwardFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor& q, co
                                                          const std::optional<at::Tensor>& d_mask, bool normalize,
                                                          bool with_argmax);
 
+// The projection head's training backward from the winners (head.py;
+// CUDA: maxsim-cuda/head/head_backward.cu; elsewhere the composition in
+// head.py). idx [Nq, c, Lq] int32 holds each query token's winning token
+// within document (or candidate) j of a chunk, -1 for none.
+// head_winner_grad: unit [Nq, c, Lq, d_out] (the winners' projected rows,
+// fp32 / fp16 / bf16), q [Nq, Lq, d_out] fp32, grad [Nq, c] -> (dq [Nq, Lq, d_out]
+// fp32 = sum over j of grad * u, dp [Nq, c, Lq, d_out] in unit's dtype = the
+// gradient of each projected row, db [d_out] fp32 = the sum of dp's rows;
+// dp and db empty unless need_dp), u = unit / max(|unit|, 1e-12) when
+// normalize (dp through that Jacobian), else unit; a row without a winner
+// contributes exact zeros (its unit is never read). d_out <= 1024; sums in
+// a fixed order.
+using HeadWinnerGradFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor& unit, const at::Tensor& q,
+                                                                        const at::Tensor& grad, const at::Tensor& idx,
+                                                                        bool normalize, bool need_dp);
+// head_scatter_rows: rows [Nq, c, Lq, width] (one per winner), Ld -> out,
+// [c, Ld, width] (every query's winners in document j) or, per_query,
+// [Nq, c, Ld, width] (the winners of query i's candidate j): out[doc, t] =
+// the sum in fp32 of the rows whose winner is token t, in ascending (i, k)
+// order, rounded to rows' dtype; zeros where none. Every row written once.
+using HeadScatterRowsFn = at::Tensor(const at::Tensor& rows, const at::Tensor& idx, int64_t Ld, bool per_query);
+
 // The CUDA forward's plan (forward_plan.cpp), as "key=value" words. arch -1:
 // the current CUDA device; else a model of sm_<arch> with sm_count SMs (<= 0:
 // the model's). force: "" or a family name (plan::family_name).
@@ -275,6 +297,8 @@ PlaidApproxFn plaid_approx_cuda;
 PlaidForwardFn plaid_forward_cuda;
 PlaidBackwardFn plaid_backward_cuda;
 HeadForwardFn head_forward_cuda;
+HeadWinnerGradFn head_winner_grad_cuda;
+HeadScatterRowsFn head_scatter_rows_cuda;
 // The planner's facts of the current CUDA device (maxsim-cuda/forward/forward.cu).
 plan::DeviceFacts cuda_device_facts();
 #endif

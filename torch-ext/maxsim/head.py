@@ -93,6 +93,7 @@ class _HeadFromWinners(torch.autograd.Function):
     def backward(ctx, grad):
         Q3, H, W, b, idx = ctx.saved_tensors
         need_q, need_h, need_w, need_b = ctx.needs_input_grad[:4]
+        need_dp = need_h or need_w or need_b
         candidates = H.dim() == 4
         Nq, n, Lq = idx.shape
         Ld, d_model = H.shape[-2:]
@@ -100,54 +101,39 @@ class _HeadFromWinners(torch.autograd.Function):
         Hrows = H.reshape(-1, d_model)
         chunks = range(0, n if Ld > 0 and Nq * Lq > 0 else 0, ctx.per)
         several = len(chunks) > 1
-        weight = torch.where(idx >= 0, grad.float()[..., None], 0.0)  # [Nq, n, Lq]
-        Qf = Q3.float() if need_h or need_w or need_b else None
+        winner_grad, scatter_rows = _winner_ops(H)
+        Qf = Q3.float()
+        # Winners a document holds: every query's tokens, or one query's.
+        per_document = Lq if candidates else Nq * Lq
         dQ = dH = dW = db = None
         if need_h and (several or not chunks):
             dH = (torch.empty if chunks else torch.zeros)(H.shape, device=H.device, dtype=H.dtype)
         for n0 in chunks:
             n1 = min(n, n0 + ctx.per)
-            c = n1 - n0
             tok = idx[:, n0:n1]  # [Nq, c, Lq]
             first_row = torch.arange(n0 * Ld, n1 * Ld, Ld, device=idx.device)
             if candidates:
                 first_row = first_row + torch.arange(0, Nq * n * Ld, n * Ld, device=idx.device)[:, None]
             Hw = Hrows.index_select(0, (first_row[..., None] + tok.clamp_min(0)).view(-1))
-            if ctx.masked:  # a query token without a winner read token 0, which may
-                # hold anything (a masked token): zeroed, it contributes exact zeros
+            if ctx.masked and need_w:  # a query token without a winner read token 0, which may
+                # hold anything (a masked token): dW multiplies it by a zero gradient
                 Hw.masked_fill_((tok < 0).view(-1, 1), 0)
-            unit = F.linear(Hw, W, b).float()
-            if ctx.normalize:  # rows as the forward scored them, in fp32
-                norm = torch.linalg.vector_norm(unit, dim=-1, keepdim=True)
-                inv = norm.clamp_min(_NORM_EPS).reciprocal_()
-                unit.mul_(inv)
-            w = weight[:, n0:n1, :, None]
+            unit = F.linear(Hw, W, b).view(*tok.shape, d_out)
+            dq, dP, db_part = winner_grad(unit, Qf, grad[:, n0:n1], tok, ctx.normalize, need_dp)
             if need_q:
-                part = (w * unit.view(Nq, c, Lq, d_out)).sum(1)
-                dQ = part if dQ is None else dQ.add_(part)
-            if not (need_h or need_w or need_b):
+                dQ = dq if dQ is None else dQ.add_(dq)
+            if not need_dp:
                 continue
-            dP = (w * Qf[:, None]).view(-1, d_out)
-            if ctx.normalize:  # the Jacobian of x / max(|x|, eps): (g - u <u, g>) / |x|
-                along = (unit * dP).sum(-1, keepdim=True).mul_(norm > _NORM_EPS)
-                dP.sub_(unit.mul_(along)).mul_(inv)
             if need_b:
-                part = dP.sum(0)
-                db = part if db is None else db.add_(part)
-            dP = dP.to(H.dtype)
+                db = db_part if db is None else db.add_(db_part)
             if need_w:
-                part = dP.t() @ Hw
+                part = dP.view(-1, d_out).t() @ Hw
                 dW = part if not several else part.float() if dW is None else dW.add_(part.float())
             if need_h:
-                # Per document: its winners' tokens [G, S] and gradients (S =
-                # Nq Lq for shared documents, Lq for a query's candidate).
-                if candidates:
-                    tok_g, dP_g = tok.reshape(-1, Lq), dP.view(-1, Lq, d_out)
-                else:
-                    tok_g = tok.transpose(0, 1).reshape(c, Nq * Lq)
-                    dP_g = dP.view(Nq, c, Lq, d_out).transpose(0, 1).reshape(c, Nq * Lq, d_out)
-                onehot = (tok_g[:, None, :] == torch.arange(Ld, device=idx.device)[:, None]).to(dP.dtype)
-                rows = (onehot @ dP_g).view(-1, d_out) @ W  # [G Ld, d_model]: every row of these documents
+                if per_document * d_model < Ld * d_out:  # few winners: project theirs, then place them
+                    rows = scatter_rows((dP.view(-1, d_out) @ W).view(*tok.shape, d_model), tok, Ld, candidates)
+                else:  # place them, then project every row of the documents
+                    rows = scatter_rows(dP, tok, Ld, candidates).view(-1, d_out) @ W
                 if dH is None:
                     dH = rows.view(H.shape)
                 else:
@@ -161,6 +147,61 @@ class _HeadFromWinners(torch.autograd.Function):
             db = torch.zeros_like(b)
         return (None if dQ is None else dQ.to(Q3.dtype), dH, None if dW is None else dW.to(W.dtype),
                 None if db is None else db.to(b.dtype), None, None, None, None, None, None)
+
+
+HEAD_WINNER_GRAD = add_op_namespace_prefix("head_winner_grad")
+HEAD_SCATTER_ROWS = add_op_namespace_prefix("head_scatter_rows")
+
+
+@meta_kernel(HEAD_WINNER_GRAD)
+def _head_winner_grad_fake(unit, q, grad, idx, normalize, need_dp):
+    d_out = unit.shape[-1]
+    return (q.new_empty(q.shape, dtype=torch.float32), unit.new_empty(unit.shape if need_dp else (0,)),
+            q.new_empty((d_out,) if need_dp else (0,), dtype=torch.float32))
+
+
+@meta_kernel(HEAD_SCATTER_ROWS)
+def _head_scatter_rows_fake(rows, idx, ld, per_query):
+    Nq, c, _, width = rows.shape
+    return rows.new_empty((Nq, c, ld, width) if per_query else (c, ld, width))
+
+
+def _reference_head_winner_grad(unit, q, grad, idx, normalize, need_dp):
+    """head_winner_grad as tensor ops (the contract is in torch_binding.h)."""
+    won = (idx >= 0)[..., None]
+    u = torch.where(won, unit.float(), 0.0)  # a row without a winner is never read
+    if normalize:  # rows as the forward scored them, in fp32
+        norm = torch.linalg.vector_norm(u, dim=-1, keepdim=True)
+        inv = norm.clamp_min(_NORM_EPS).reciprocal_()
+        u.mul_(inv)
+    w = torch.where(won, grad.float()[..., None, None], 0.0)  # [Nq, c, Lq, 1]
+    dq = (w * u).sum(1)
+    if not need_dp:
+        return dq, unit.new_empty((0,)), dq.new_empty((0,))
+    dp = w * q.float()[:, None]
+    if normalize:  # the Jacobian of x / max(|x|, eps): (g - u <u, g>) / |x|
+        along = (u * dp).sum(-1, keepdim=True).mul_(norm > _NORM_EPS)
+        dp.sub_(u.mul_(along)).mul_(inv)
+    return dq, dp.to(unit.dtype), dp.sum((0, 1, 2))
+
+
+def _reference_head_scatter_rows(rows, idx, ld, per_query):
+    """head_scatter_rows as tensor ops: index_add_ in row order, which is the
+    kernel's ascending winner order within each document."""
+    Nq, c, _, width = rows.shape
+    doc = torch.arange(Nq * c if per_query else c, device=rows.device).view(Nq if per_query else 1, c)
+    won = idx >= 0
+    target = (doc[..., None] * ld + idx)[won]
+    out = torch.zeros(doc.numel() * ld, width, device=rows.device, dtype=torch.float32)
+    out.index_add_(0, target, rows[won].float())
+    return out.to(rows.dtype).view((Nq, c, ld, width) if per_query else (c, ld, width))
+
+
+def _winner_ops(H: Tensor):
+    """The backward's two steps; the CUDA kernels take 32- and 16-bit floats."""
+    if H.dtype == torch.float64:
+        return _reference_head_winner_grad, _reference_head_scatter_rows
+    return ops.head_winner_grad, ops.head_scatter_rows
 
 
 HEAD_FORWARD = add_op_namespace_prefix("head_forward")
@@ -181,7 +222,8 @@ def _reference_head_forward(q, h, w, b, q_mask, d_mask, normalize, with_argmax):
 
 # The op is compiled for CUDA only (the sm_90a kernel); elsewhere it is the
 # composition, so it answers on every device.
-register_fallbacks(((HEAD_FORWARD, _reference_head_forward),))
+register_fallbacks(((HEAD_FORWARD, _reference_head_forward), (HEAD_WINNER_GRAD, _reference_head_winner_grad),
+                    (HEAD_SCATTER_ROWS, _reference_head_scatter_rows)))
 
 _FUSED_DTYPES = (torch.float16, torch.bfloat16)
 _FUSED_MAX_QUERY_TOKENS = 1024  # head::kHeadMaxQ (head_fused.cuh)
@@ -256,9 +298,9 @@ def maxsim_from_hidden(Q: Tensor, H: Tensor, W: Tensor, b: Optional[Tensor] = No
         # Chunks over documents (or each query's candidates, side by side).
         unit = Ld * (Q3.shape[0] if candidates else 1)
         per = max(1, (chunk_mib << 20) // max(unit * Q3.shape[-1] * 4, 1))
-        # A winner's backward holds its hidden row twice, a few fp32 rows and
-        # a row of its document's 0/1 sum matrix.
-        entry_bytes = (H.shape[-1] * 2 + min(Ld, group)) * H.element_size() + Q3.shape[-1] * 24
+        # A winner's backward holds its hidden row twice (gathered, and its
+        # gradient projected back) and a few rows of d_out.
+        entry_bytes = (H.shape[-1] * 2 + Q3.shape[-1] * 2) * H.element_size() + Q3.shape[-1] * 8
         per_backward = max(1, (chunk_mib << 20) // max(Q3.shape[0] * Lq * entry_bytes, 1))
         fused = not candidates and _fused_ok(Q3, H, W, b, q_mask, d_mask)
         out = _HeadFromWinners.apply(Q3, H, W, b, q_mask, d_mask, normalize, per, per_backward, fused)
