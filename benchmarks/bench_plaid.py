@@ -21,7 +21,8 @@ Rows (``workload``, ``impl``, ``ms``, and per row ``floor_ms`` / recall / bytes)
   -- nearest of 2^18 centroids for 3e8 tokens -- takes minutes);
 - head-fwd / head-train: MaxSim from hidden states [Nd, Ld, 768] through a
   768 -> 128 head, forward and forward + backward (1 x 1000 x 300, 32 x 32
-  x 180, 1 x 10000 x 300).
+  x 180, 1 x 10000 x 300); ms eager, graph_ms the same calls in a CUDA graph
+  (device time).
 
     python benchmarks/bench_plaid.py                 # GPU, the sizes
     python benchmarks/bench_plaid.py --tiny          # seconds, CPU or GPU
@@ -44,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu import load_maxsim, write_results  # noqa: E402
+from bench_gpu import graph_ms, load_maxsim, write_results  # noqa: E402
 
 D = 128
 LD = 300
@@ -278,9 +279,15 @@ def bench_head(ms, lik, rows, dev, run, nq, nd, ld, dm=768):
 
         impls["lik"] = lambda *a: lik_head(*a)
     shape = f"{nq}x{nd}x{ld}"
+
+    def device_ms(fn):  # a CUDA graph of the calls: device time, no host
+        t = graph_ms(fn, calls=5) if dev.type == "cuda" else None
+        return {} if t is None else {"graph_ms": round(t, 4)}
+
     for name, fn in impls.items():
         with torch.no_grad():
-            try_row(rows, f"head-fwd-{shape}", name, lambda: fn(Q, H, W, b), run)
+            fwd = lambda: fn(Q, H, W, b)  # noqa: E731
+            try_row(rows, f"head-fwd-{shape}", name, fwd, run, **device_ms(fwd))
         leaves = [t.clone().requires_grad_(True) for t in (Q, H, W, b)]
         g = torch.randn(nq, nd, device=dev, generator=gen)
 
@@ -288,7 +295,7 @@ def bench_head(ms, lik, rows, dev, run, nq, nd, ld, dm=768):
             for t in leaves:
                 t.grad = None
             (fn(*leaves).float() * g).sum().backward()
-        try_row(rows, f"head-train-{shape}", name, train, run)
+        try_row(rows, f"head-train-{shape}", name, train, run, **device_ms(train))
 
 
 def main():
