@@ -118,6 +118,35 @@ __global__ void __launch_bounds__(kWarps * 32) winner_grad_kernel(
   }
 }
 
+// out[e] = the sum over p of part[p, e], in a fixed order (p mod kSumSplit,
+// then ascending): the blocks' partial dq and db, two jobs in one launch.
+struct PartialSum {
+  const float* part;
+  int64_t n, cols;
+  float* out;
+};
+constexpr int kSumCols = 32, kSumSplit = 8;
+
+__global__ void __launch_bounds__(kSumCols* kSumSplit) sum_partials_kernel(PartialSum a, PartialSum b) {
+  pdl_wait();
+  const int64_t tiles_a = (a.cols + kSumCols - 1) / kSumCols;
+  const bool first = blockIdx.x < tiles_a;
+  const PartialSum job = first ? a : b;
+  const int64_t e = (first ? blockIdx.x : blockIdx.x - tiles_a) * kSumCols + threadIdx.x;
+  float s = 0.f;
+  if (e < job.cols)
+    for (int64_t p = threadIdx.y; p < job.n; p += kSumSplit) s += job.part[p * job.cols + e];
+  __shared__ float split[kSumSplit][kSumCols];
+  split[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && e < job.cols) {
+    float t = 0.f;
+#pragma unroll
+    for (int y = 0; y < kSumSplit; ++y) t += split[y][threadIdx.x];
+    job.out[e] = t;
+  }
+}
+
 template <typename T, int VEC>
 struct alignas(sizeof(T) * VEC) Pack {
   T v[VEC];
@@ -218,8 +247,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> head_winner_grad_cuda(const at::T
                dq_part.data_ptr<float>(), need_dp ? reinterpret_cast<T*>(dp.data_ptr()) : nullptr,
                need_dp ? db_part.data_ptr<float>() : nullptr);
   });
-  at::Tensor dq = chunks == 1 ? dq_part[0] : dq_part.sum(0);
-  return {dq, dp, need_dp ? db_part.sum(0) : db_part};
+  at::Tensor dq = at::empty(q.sizes(), f32), db = at::empty({need_dp ? d_out : 0}, f32);
+  const PartialSum dq_sum{dq_part.data_ptr<float>(), chunks, dq.numel(), dq.data_ptr<float>()};
+  const PartialSum db_sum{db_part.data_ptr<float>(), blocks, db.numel(), db.data_ptr<float>()};
+  const int64_t tiles = (dq.numel() + kSumCols - 1) / kSumCols + (db.numel() + kSumCols - 1) / kSumCols;
+  launch_pdl(sum_partials_kernel, dim3((unsigned)tiles), dim3(kSumCols, kSumSplit), 0,
+             at::cuda::getCurrentCUDAStream(), dq_sum, db_sum);
+  return {dq, dp, db};
 }
 
 at::Tensor head_scatter_rows_cuda(const at::Tensor& rows_in, const at::Tensor& idx, int64_t Ld, bool per_query) {
