@@ -83,7 +83,7 @@ class _HeadFromWinners(torch.autograd.Function):
                 winners.append(a)
             scores = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
             idx = winners[0] if len(winners) == 1 else torch.cat(winners, dim=1)
-        ctx.save_for_backward(Q3, H, W, b, idx)
+        ctx.save_for_backward(Q3, H, W, b, d_mask, idx)
         ctx.normalize, ctx.per = normalize, per_backward
         # Without masks every query token has a winner (Ld >= 1).
         ctx.masked = q_mask is not None or d_mask is not None
@@ -91,7 +91,7 @@ class _HeadFromWinners(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        Q3, H, W, b, idx = ctx.saved_tensors
+        Q3, H, W, b, d_mask, idx = ctx.saved_tensors
         need_q, need_h, need_w, need_b = ctx.needs_input_grad[:4]
         need_dp = need_h or need_w or need_b
         candidates = H.dim() == 4
@@ -104,40 +104,61 @@ class _HeadFromWinners(torch.autograd.Function):
         winner_grad, scatter_rows = _winner_ops(H)
         Qf = Q3.float()
         # Winners a document holds: every query's tokens, or one query's.
+        # More than its rows: every row is projected once (no gather of
+        # hidden rows) and dW comes from the rows' summed gradients.
         per_document = Lq if candidates else Nq * Lq
+        dense = per_document > Ld
+        # Else dH projects the winners' gradients, then places them, unless
+        # projecting the documents' rows is the smaller product.
+        place_first = per_document * d_model >= Ld * d_out
         dQ = dH = dW = db = None
         if need_h and (several or not chunks):
             dH = (torch.empty if chunks else torch.zeros)(H.shape, device=H.device, dtype=H.dtype)
         for n0 in chunks:
             n1 = min(n, n0 + ctx.per)
+            c = n1 - n0
             tok = idx[:, n0:n1]  # [Nq, c, Lq]
-            first_row = torch.arange(n0 * Ld, n1 * Ld, Ld, device=idx.device)
+            cut = (lambda t: t[:, n0:n1]) if candidates else (lambda t: t[n0:n1])
+            # Each winner's row: in the chunk's projected rows (dense), else in H.
+            first_row = torch.arange(0 if dense else n0 * Ld, (c if dense else n1) * Ld, Ld, device=idx.device)
             if candidates:
-                first_row = first_row + torch.arange(0, Nq * n * Ld, n * Ld, device=idx.device)[:, None]
-            Hw = Hrows.index_select(0, (first_row[..., None] + tok.clamp_min(0)).view(-1))
-            if ctx.masked and need_w:  # a query token without a winner read token 0, which may
-                # hold anything (a masked token): dW multiplies it by a zero gradient
-                Hw.masked_fill_((tok < 0).view(-1, 1), 0)
-            unit = F.linear(Hw, W, b).view(*tok.shape, d_out)
-            dq, dP, db_part = winner_grad(unit, Qf, grad[:, n0:n1], tok, ctx.normalize, need_dp)
+                first_row = first_row + torch.arange(Nq, device=idx.device)[:, None] * ((c if dense else n) * Ld)
+            index = (first_row[..., None] + tok.clamp_min(0)).view(-1)
+            if dense:
+                Hc = cut(H)
+                unit = F.linear(Hc, W, b).view(-1, d_out).index_select(0, index)
+            else:
+                Hw = Hrows.index_select(0, index)
+                if ctx.masked and need_w:  # a query token without a winner read token 0, which may
+                    # hold anything (a masked token): dW multiplies it by a zero gradient
+                    Hw.masked_fill_((tok < 0).view(-1, 1), 0)
+                unit = F.linear(Hw, W, b)
+            dq, dP, db_part = winner_grad(unit.view(*tok.shape, d_out), Qf, grad[:, n0:n1], tok, ctx.normalize,
+                                          need_dp)
             if need_q:
                 dQ = dq if dQ is None else dQ.add_(dq)
             if not need_dp:
                 continue
             if need_b:
                 db = db_part if db is None else db.add_(db_part)
+            if dense or (need_h and place_first):  # every row's gradient of D, summed from its winners
+                placed = scatter_rows(dP, tok, Ld, candidates).view(-1, d_out)
             if need_w:
-                part = dP.view(-1, d_out).t() @ Hw
+                if dense:  # masked rows may hold anything: they meet zero gradients here
+                    Hm = Hc if d_mask is None else Hc.masked_fill(~cut(d_mask)[..., None], 0)
+                    part = placed.t() @ Hm.reshape(-1, d_model)
+                else:
+                    part = dP.view(-1, d_out).t() @ Hw
                 dW = part if not several else part.float() if dW is None else dW.add_(part.float())
             if need_h:
-                if per_document * d_model < Ld * d_out:  # few winners: project theirs, then place them
+                if dense or place_first:  # project every row's gradient
+                    rows = placed @ W
+                else:  # few winners: project theirs, then place them
                     rows = scatter_rows((dP.view(-1, d_out) @ W).view(*tok.shape, d_model), tok, Ld, candidates)
-                else:  # place them, then project every row of the documents
-                    rows = scatter_rows(dP, tok, Ld, candidates).view(-1, d_out) @ W
                 if dH is None:
                     dH = rows.view(H.shape)
                 else:
-                    block = dH[:, n0:n1] if candidates else dH[n0:n1]
+                    block = cut(dH)
                     block.copy_(rows.view(block.shape))
         if need_q and dQ is None:
             dQ = torch.zeros_like(Q3)
