@@ -57,14 +57,15 @@ _WINNERS_PER_ROW = 4
 class _HeadFromWinners(torch.autograd.Function):
     """maxsim_from_hidden in training where the winners are few: the forward
     keeps only the argmax (from the fused kernel, or projecting and scoring
-    a chunk of documents at a time); the backward gathers the winning hidden
-    rows, re-projects them and applies the chain rule per winner, so its
-    projection work scales with the winners, not the batch. Each document's
-    token gradients are summed from its winners by a product with their 0/1
-    token matrix (deterministic, no atomics) and mapped back through W in one
-    GEMM that writes every row of dH (zeros included): no fill, no scatter.
-    Dimension 1 of the argmax [Nq, n, Lq] is chunked: documents, or each
-    query's candidates side by side."""
+    a chunk of documents at a time); the backward re-projects the winning
+    rows (gathered from H; or, with more winners than rows, every row once)
+    and applies the chain rule per winner in one op (head_winner_grad), so
+    its work scales with the winners, not the batch. head_scatter_rows
+    writes every row of a document's gradient once from its winners, in a
+    fixed order (deterministic, no atomics, no fill): the winners' gradients
+    projected through W, or the rows' gradients of D then projected,
+    whichever product is smaller. Dimension 1 of the argmax [Nq, n, Lq] is
+    chunked: documents, or each query's candidates side by side."""
 
     @staticmethod
     def forward(ctx, Q3, H, W, b, q_mask, d_mask, normalize, per, per_backward, fused):
