@@ -153,7 +153,6 @@ struct alignas(sizeof(T) * VEC) Pack {
 };
 
 constexpr int kRowsPerBlock = 32;
-constexpr int kTokenCache = 4096;
 
 // out[doc, t] = sum of rows[winner] over the document's winners on token t,
 // in ascending winner order; zeros where none. A document's winners: every
@@ -167,13 +166,6 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_rows_kernel(const T* __re
   const int64_t doc = blockIdx.x / tiles, t0 = blockIdx.x % tiles * kRowsPerBlock;
   const int64_t qi = per_query ? doc / win.c : 0, j = per_query ? doc % win.c : doc;
   const int Lq = (int)win.Lq, S = (int)(per_query ? win.Lq : win.Nq * win.Lq);  // < 2^31 (host check)
-  // Winner s: query token (i, k), its row of `rows`, its token (the first
-  // kTokenCache tokens staged in shared memory: every row scans them all).
-  auto query_of = [&](int s) { return per_query ? qi : (int64_t)(s / Lq); };
-  auto token_of = [&](int s) { return per_query ? s : s % Lq; };
-  __shared__ int cached[kTokenCache];
-  for (int s = threadIdx.x; s < min(S, kTokenCache); s += blockDim.x) cached[s] = win.token(query_of(s), j, token_of(s));
-  __syncthreads();
   for (int64_t t = t0 + warp; t < min(Ld, t0 + kRowsPerBlock); t += kWarps) {
     T* dst = out + (doc * Ld + t) * width;
     for (int64_t base = 0; base < width; base += 32 * VEC) {  // warp-uniform: the ballot needs every lane
@@ -185,10 +177,10 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_rows_kernel(const T* __re
         int64_t row = 0;
         bool hit = false;
         if (s < S) {
-          const int64_t i = query_of(s);
-          const int k = token_of(s);
+          const int64_t i = per_query ? qi : s / Lq;
+          const int k = per_query ? s : s % Lq;
           row = (i * win.c + j) * Lq + k;
-          hit = (s < kTokenCache ? cached[s] : win.token(i, j, k)) == t;
+          hit = win.token(i, j, k) == t;
         }
         for (unsigned m = __ballot_sync(0xffffffffu, hit); m; m &= m - 1) {
           const int64_t r = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
