@@ -171,6 +171,24 @@ def test_from_hidden_winners_poison_and_shapes(ms, device, dtype, candidates, tr
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_from_hidden_winners_wide_and_fp64(ms, device, train_path):
+    """d_out past the per-winner kernel's 1024 and fp64 inputs train through
+    the compositions of the backward's steps, against fp64."""
+    for do, dtype in ((1030, torch.float32), (24, torch.float64)):
+        Q, H, W, b = (t.to(dtype) for t in _inputs(device, 2, 3, 4, 5, 16, do, True, seed=do))
+        leaves = [t.clone().requires_grad_(True) for t in (Q, H, W, b)]
+        out = ms.maxsim_from_hidden(*leaves)
+        refs = [t.detach().double().requires_grad_(True) for t in leaves]
+        ref = ms.head.maxsim_from_hidden_reference(*refs)
+        assert relerr(out, ref, floor=1.0) < 1e-5
+        gout = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1)).to(device)
+        (out * gout).sum().backward()
+        (ref * gout.double()).sum().backward()
+        for a, r, name in zip(leaves, refs, "QHWb"):
+            assert a.grad.dtype == dtype and relerr(a.grad, r.grad) < 1e-4, (do, name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shape", [(2, 3, 0, 5), (2, 0, 4, 5), (2, 3, 4, 0), (0, 3, 4, 5)],
                          ids=["no-docs", "no-query-tokens", "no-doc-tokens", "no-queries"])
 def test_from_hidden_training_empty(ms, device, shape, train_path):

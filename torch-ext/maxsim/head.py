@@ -102,7 +102,7 @@ class _HeadFromWinners(torch.autograd.Function):
         Hrows = H.reshape(-1, d_model)
         chunks = range(0, n if Ld > 0 and Nq * Lq > 0 else 0, ctx.per)
         several = len(chunks) > 1
-        winner_grad, scatter_rows = _winner_ops(H)
+        winner_grad, scatter_rows = _winner_ops(H, d_out)
         Qf = Q3.float()
         # Winners a document holds: every query's tokens, or one query's.
         # More than its rows: every row is projected once (no gather of
@@ -219,11 +219,17 @@ def _reference_head_scatter_rows(rows, idx, ld, per_query):
     return out.to(rows.dtype).view((Nq, c, ld, width) if per_query else (c, ld, width))
 
 
-def _winner_ops(H: Tensor):
-    """The backward's two steps; the CUDA kernels take 32- and 16-bit floats."""
+_WINNER_GRAD_MAX_D_OUT = 1024  # head_backward.cu: a warp holds a row in registers
+
+
+def _winner_ops(H: Tensor, d_out: int):
+    """The backward's two steps: the ops (whose CUDA kernels take 32- and
+    16-bit floats, head_winner_grad up to d_out 1024), else their
+    compositions."""
     if H.dtype == torch.float64:
         return _reference_head_winner_grad, _reference_head_scatter_rows
-    return ops.head_winner_grad, ops.head_scatter_rows
+    wide = d_out > _WINNER_GRAD_MAX_D_OUT
+    return _reference_head_winner_grad if wide else ops.head_winner_grad, ops.head_scatter_rows
 
 
 HEAD_FORWARD = add_op_namespace_prefix("head_forward")
