@@ -222,6 +222,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> head_winner_grad_cuda(const at::T
   TORCH_CHECK((dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16) && q_in.scalar_type() == at::kFloat,
               "maxsim: head_winner_grad: unit float32 / float16 / bfloat16, q float32");
   MAXSIM_CHECK(d_out <= 1024, "maxsim: head_winner_grad: d_out at most 1024, got %lld", (long long)d_out);
+  TORCH_CHECK(unit_in.device() == idx.device() && q_in.device() == idx.device() && grad_in.device() == idx.device(),
+              "maxsim: head_winner_grad: tensors on one CUDA device");
   c10::cuda::CUDAGuard guard(idx.device());
   const at::Tensor unit = unit_in.contiguous(), q = q_in.contiguous(), grad = grad_in.to(at::kFloat);
   const auto f32 = q.options();
@@ -264,6 +266,7 @@ at::Tensor head_scatter_rows_cuda(const at::Tensor& rows_in, const at::Tensor& i
   const auto dt = rows_in.scalar_type();
   TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16,
               "maxsim: head_scatter_rows: rows float32 / float16 / bfloat16");
+  TORCH_CHECK(rows_in.device() == idx.device(), "maxsim: head_scatter_rows: tensors on one CUDA device");
   c10::cuda::CUDAGuard guard(idx.device());
   const at::Tensor rows = rows_in.contiguous();
   const int64_t width = rows.size(3), docs = per_query ? Nq * c : c;
