@@ -13,6 +13,7 @@
 #include "../common/convert.cuh"
 #include "../common/dtype_dispatch.cuh"
 #include "../common/pdl.cuh"
+#include "normalize_rows.h"
 #include "torch_binding.h"
 
 namespace maxsim {
@@ -20,8 +21,9 @@ namespace {
 
 using cuda_fwd::warp_sum;
 
+constexpr float kEps = (float)kNormEps;  // F.normalize's (normalize_rows.h)
+
 constexpr int kWarps = 8;
-constexpr float kNormEps = 1e-12f;  // F.normalize's eps (head.py _NORM_EPS)
 
 // Winner (i, j, k): query i, document (or candidate) j of the chunk, query
 // token k; its projected row is unit[(i * c + j) * Lq + k].
@@ -73,8 +75,8 @@ __global__ void __launch_bounds__(kWarps * 32) winner_grad_kernel(
 #pragma unroll
         for (int v = 0; v < VPL; ++v) ss += u[v] * u[v];
         const float norm = sqrtf(warp_sum(ss));
-        inv = 1.f / fmaxf(norm, kNormEps);
-        live = norm > kNormEps ? 1.f : 0.f;
+        inv = 1.f / fmaxf(norm, kEps);
+        live = norm > kEps ? 1.f : 0.f;
 #pragma unroll
         for (int v = 0; v < VPL; ++v) u[v] *= inv;
       }
