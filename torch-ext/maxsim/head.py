@@ -121,9 +121,10 @@ class _HeadFromWinners(torch.autograd.Function):
             tok = idx[:, n0:n1]  # [Nq, c, Lq]
             cut = (lambda t: t[:, n0:n1]) if candidates else (lambda t: t[n0:n1])
             # Each winner's row: in the chunk's projected rows (dense), else in H.
-            first_row = torch.arange(0 if dense else n0 * Ld, (c if dense else n1) * Ld, Ld, device=idx.device)
+            first_doc, docs_per_query = (0, c) if dense else (n0, n)
+            first_row = torch.arange(first_doc * Ld, (first_doc + c) * Ld, Ld, device=idx.device)
             if candidates:
-                first_row = first_row + torch.arange(Nq, device=idx.device)[:, None] * ((c if dense else n) * Ld)
+                first_row = first_row + torch.arange(Nq, device=idx.device)[:, None] * (docs_per_query * Ld)
             index = (first_row[..., None] + tok.clamp_min(0)).view(-1)
             if dense:
                 Hc = cut(H)
@@ -324,8 +325,8 @@ def maxsim_from_hidden(Q: Tensor, H: Tensor, W: Tensor, b: Optional[Tensor] = No
     group = Lq if candidates else Q3.shape[0] * Lq  # winners a document (or candidate) gets
     if train and group <= _WINNERS_PER_ROW * Ld:
         # Chunks over documents (or each query's candidates, side by side).
-        unit = Ld * (Q3.shape[0] if candidates else 1)
-        per = max(1, (chunk_mib << 20) // max(unit * Q3.shape[-1] * 4, 1))
+        rows_per_step = Ld * (Q3.shape[0] if candidates else 1)
+        per = max(1, (chunk_mib << 20) // max(rows_per_step * Q3.shape[-1] * 4, 1))
         # A winner's backward holds its hidden row twice (gathered, and its
         # gradient projected back) and a few rows of d_out.
         entry_bytes = (H.shape[-1] * 2 + Q3.shape[-1] * 2) * H.element_size() + Q3.shape[-1] * 8
