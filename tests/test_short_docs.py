@@ -361,3 +361,145 @@ def test_stream_runs_by_the_rule(ms):
     assert_close(outb, ref, torch.bfloat16)
     p = ms.explain(Q, torch.empty(20000, 300, 128, dtype=torch.bfloat16, device="meta"))
     assert p.get("run", 0) == 0, p
+
+
+# ---- the staged wgmma stream's runs of pairs (forward_stream_wg.cuh) --------
+# sm_90a: one query's consecutive documents (CROSS) and a query's candidates
+# (GROUPED) in runs of pairs per CTA, forced on ("stream_wg_run": the longest
+# runs, so stages in flight cross document and run boundaries) and off
+# ("stream_wg_pair": one pair per CTA): documents of one to several 64-token
+# stages, lengths including 0, holes, NaN tokens, 1-128 query rows, argmax;
+# the same bits either way.
+
+SM90A = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+                           reason="the staged wgmma stream needs an sm_90a GPU")
+
+
+def _wg_modes(ms, fn, Q, D):
+    """fn() under forced runs and forced single pairs of the staged wgmma
+    stream: (runs, pairs), after checking each mode is the plan for (Q, D)."""
+    with ms.forcing("stream_wg_run"):
+        p = ms.explain(Q, D)
+        assert p["family"] == "stream_wg" and p["run"] >= 1, p
+        runs = fn()
+    with ms.forcing("stream_wg_pair"):
+        p = ms.explain(Q, D)
+        assert p["family"] == "stream_wg" and p["run"] == 0, p
+        pairs = fn()
+    return runs, pairs
+
+
+def _same_bits(a, b):
+    """Scores (and argmax) equal bit for bit."""
+    a, b = (a if isinstance(a, tuple) else (a,)), (b if isinstance(b, tuple) else (b,))
+    for x, y in zip(a, b):
+        assert torch.equal(_bits(x) if x.is_floating_point() else x, _bits(y) if y.is_floating_point() else y)
+
+
+@SM90A
+@pytest.mark.parametrize("dtype", SHORT_DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("lq", [1, 17, 32, 33, 128])
+@pytest.mark.parametrize("nd,ld", [(1, 64), (7, 1), (300, 64), (333, 65), (100, 130), (1500, 17), (40, 300)])
+def test_stream_wg_runs_one_query(ms, dtype, dim, lq, nd, ld):
+    """One query x nd documents: padded with token masks (holes, prefix
+    lengths including 0, fully masked documents) and a NaN token; ragged
+    with lengths including 0, with the argmax. Runs against fp64 (the
+    argmax attains the max), and bitwise against one pair per CTA."""
+    g = torch.Generator().manual_seed(7 * ld + nd + lq + dim)
+    Q = rand(1, lq, dim, dtype=dtype, gen=g).cuda()
+    qm = torch.rand(1, lq, generator=g) > 0.2
+    qm[0, 0] = True
+    D = rand(nd, ld, dim, dtype=dtype, gen=g)
+    dlen = torch.randint(0, ld + 1, (nd,), generator=g)
+    dm = lengths_mask(dlen, ld) & (torch.rand(nd, ld, generator=g) > 0.2)
+    dm[::5] = False  # fully masked documents score 0
+    bad = nd // 2
+    dm[bad, ld - 1] = True
+    D[bad, ld - 1, dim // 3] = float("nan")
+    D, dm, qm = D.cuda(), dm.cuda(), qm.cuda()
+    ref = ms.maxsim_reference(Q, D, qm, dm)
+    runs, pairs = _wg_modes(ms, lambda: ms.maxsim(Q, D, qm, dm), Q, D)
+    _same_bits(runs, pairs)
+    _check_against(runs, ref, dtype, [bad], ~dm.cpu().any(dim=1))
+    # ragged documents, lengths (0 included), with the argmax
+    dlens = torch.randint(0, ld + 1, (nd,), generator=g)
+    dlens[::7] = 0
+    dlens[bad] = ld
+    doff = torch.cat([torch.zeros(1, dtype=torch.long), dlens.cumsum(0)])
+    d = rand(int(doff[-1]), dim, dtype=dtype, gen=g)
+    Dp = torch.zeros(nd, ld, dim, dtype=dtype)
+    Dp[lengths_mask(dlens, ld)] = d
+    dmask = lengths_mask(dlens, ld)
+    ref2 = ms.maxsim_reference(Q.cpu(), Dp, None, dmask)
+    d, doff = d.cuda(), doff.cuda()
+    runs2, pairs2 = _wg_modes(ms, lambda: ms.score_contrastive_with_argmax(Q, d, doff), Q, Dp.to("meta"))
+    _same_bits(runs2, pairs2)
+    assert_close(runs2[0], ref2, dtype)
+    assert torch.all(runs2[0].cpu()[0, dlens == 0] == 0)
+    _check_argmax_cross(Q, Dp, dmask, torch.tensor([lq]), runs2[1])
+
+
+@SM90A
+@pytest.mark.parametrize("dtype", SHORT_DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("lq,ld", [(32, 64), (32, 150), (100, 70)])
+def test_stream_wg_runs_candidates(ms, dtype, lq, ld):
+    """Per-query candidates (GROUPED), B 3 x K 100 with query and document
+    lengths (0 included, one invalid length: NaN for that pair), with the
+    argmax: runs never cross a query's candidates (100 = 3 runs of 32 + 4)."""
+    g = torch.Generator().manual_seed(lq + ld)
+    B, K, dim = 3, 100, 128
+    Q = rand(B, lq, dim, dtype=dtype, gen=g).cuda()
+    D = rand(B, K, ld, dim, dtype=dtype, gen=g).cuda()
+    qlen = torch.randint(1, lq + 1, (B,), generator=g)
+    qlen[1] = 3
+    dlen = torch.randint(0, ld + 1, (B, K), generator=g)
+    dlen[:, :40:3] = 0
+    dlen[0, 31:33] = ld  # a full document on each side of a run boundary
+    qmask, dmask = lengths_mask(qlen, lq), lengths_mask(dlen.reshape(-1), ld).view(B, K, ld)
+    ref = ms.maxsim_reference(Q, D, qmask.cuda(), dmask.cuda())
+    qlen, dlen = qlen.cuda(), dlen.cuda()
+    fn = lambda: ms.score_candidates_padded_with_argmax(Q, D, qlen, dlen)  # noqa: E731
+    runs, pairs = _wg_modes(ms, fn, Q, D)
+    _same_bits(runs, pairs)
+    assert_close(runs[0], ref, dtype)
+    assert torch.all(runs[0].cpu()[dlen.cpu() == 0] == 0)
+    # the argmax attains each row's fp64 max; -1 where no token counts
+    sims = torch.einsum("bid,bkjd->bkij", Q.double().cpu(), D.double().cpu())
+    sims = sims.masked_fill(~dmask[:, :, None, :], float("-inf"))
+    has = dmask.any(dim=2)[:, :, None] & qmask[:, None, :]
+    am = runs[1].cpu().long()
+    assert torch.all(am[~has] == -1)
+    got = torch.gather(sims, 3, am.clamp(min=0)[..., None])[..., 0]
+    best = sims.max(dim=3).values
+    assert torch.all(((got - best).abs() <= 1e-5 * best.abs().clamp_min(1.0))[has])
+    bad = dlen.clone()
+    bad[2, 50] = -1
+    fn = lambda: ms.score_candidates_padded(Q, D, qlen, bad, validate=False)  # noqa: E731
+    runs, pairs = _wg_modes(ms, fn, Q, D)
+    _same_bits(runs, pairs)
+    nan = torch.zeros(B, K, dtype=torch.bool)
+    nan[2, 50] = True
+    assert torch.equal(torch.isnan(runs.cpu()), nan)
+
+
+@SM90A
+def test_stream_wg_runs_by_the_rule(ms):
+    """One query's documents of one or two stages, and candidates, take runs
+    by the planner's own rule, bitwise the one-pair scores; long documents
+    do not; a CUDA graph replays them."""
+    g = torch.Generator(device="cuda").manual_seed(37)
+    Q = torch.randn(1, 32, 128, device="cuda", generator=g).to(torch.bfloat16)
+    D = torch.randn(20000, 64, 128, device="cuda", generator=g).to(torch.bfloat16)
+    p = ms.explain(Q, D)
+    assert (p["family"], p["run"] >= 2) == ("stream_wg", True), p
+    out = ms.maxsim(Q, D)
+    with ms.forcing("stream_wg_pair"):
+        _same_bits(out, ms.maxsim(Q, D))
+    assert_close(out, ms.maxsim_reference(Q, D), torch.bfloat16)
+    graph, graph_out = capture_cuda_graph(lambda: ms.maxsim(Q, D))
+    graph_out.fill_(float("nan"))
+    graph.replay()
+    _same_bits(graph_out, out)
+    p = ms.explain(Q, torch.empty(20000, 300, 128, dtype=torch.bfloat16, device="meta"))
+    assert (p["family"], p["run"]) == ("stream_wg", 0), p

@@ -53,7 +53,7 @@ int model_blocks(const ArchModel& m, const plan::KernelId& k) {
       break;
     case plan::Family::kStreamWg:
       threads = plan::kStreamWgThreads;
-      smem = plan::stream_wg_smem(k.ks, k.rows, plan::kStreamWgStages);
+      smem = plan::stream_wg_smem(k.ks, k.rows, plan::kStreamWgStages, k.argmax);
       break;
     case plan::Family::kPacked:
       threads = plan::kPackedThreads;
@@ -84,18 +84,22 @@ plan::DeviceFacts model_facts(int64_t arch, int64_t sm_count) {
   return {};
 }
 
-// An override's name: a family, or the register stream with its runs of
-// pairs forced on ("stream_run") or off ("stream_pair"; Request::force_run).
+// An override's name: a family, or a stream with its runs of pairs forced on
+// ("stream_run", "stream_wg_run") or off ("stream_pair", "stream_wg_pair";
+// Request::force_run).
 struct Forced {
   plan::Family family;
   int run;
 };
-constexpr const char* kStreamRunName = "stream_run";
-constexpr const char* kStreamPairName = "stream_pair";
+
+std::string run_mode_name(plan::Family f, int run) {
+  return std::string(plan::family_name(f)) + (run > 0 ? "_run" : "_pair");
+}
 
 Forced forced_of(const std::string& name) {
-  if (name == kStreamRunName) return {plan::Family::kStream, 1};
-  if (name == kStreamPairName) return {plan::Family::kStream, -1};
+  for (plan::Family f : {plan::Family::kStream, plan::Family::kStreamWg})
+    for (int run : {1, -1})
+      if (name == run_mode_name(f, run)) return {f, run};
   for (plan::Family f : {plan::Family::kStream, plan::Family::kStreamWg, plan::Family::kMma, plan::Family::kWgmma,
                          plan::Family::kSimt, plan::Family::kPacked})
     if (name == plan::family_name(f)) return {f, 0};
@@ -111,7 +115,7 @@ std::string set_forced_family(std::string family) {
   const int previous_run = plan::forced_run();
   plan::forced_family() = f.family;
   plan::forced_run() = f.run;
-  if (previous_run != 0) return previous_run > 0 ? kStreamRunName : kStreamPairName;
+  if (previous_run != 0) return run_mode_name(previous, previous_run);
   return previous == plan::Family::kNone ? std::string() : std::string(plan::family_name(previous));
 }
 
@@ -165,6 +169,7 @@ std::string plan_forward(int64_t layout, int64_t nq, int64_t nd, int64_t tq, int
       put("ks", p.stream_wg.ks);
       put("nq", p.stream_wg.nq);
       put("stages", p.stream_wg.stages);
+      put("run", p.stream_wg.run);
       put("grid", p.grid);
       put("keep", p.keep);
       put("multiwave", p.multiwave);

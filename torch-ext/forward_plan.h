@@ -144,7 +144,16 @@ constexpr int kStreamWgThreads = 128;  // staged wgmma stream: one warpgroup
 constexpr int kStreamWgTokens = 64;    // tokens per stage (wgmma M)
 // Four document stages (three CTAs per SM at 256-byte rows).
 constexpr int kStreamWgStages = 4;
-constexpr int stream_wg_smem(int ks, int nq, int nst) { return (nst * kStreamWgTokens + nq) * ks * 32; }
+// Stages, the query tile, two reduction buffers of 4 warps' column maxima
+// (argmax: 64-bit keys).
+constexpr int stream_wg_smem(int ks, int nq, int nst, bool argmax) {
+  return (nst * kStreamWgTokens + nq) * ks * 32 + 2 * 4 * nq * (argmax ? 8 : 4);
+}
+// Its runs of pairs: pairs per CTA, at most (lane i of each warp holds the
+// run's i-th document), and the rule's mean document length, at most
+// (longer documents amortise a CTA's start over their own stages).
+constexpr int kStreamWgRunMax = 32;
+constexpr int64_t kStreamWgRunMaxMeanLd = 2 * kStreamWgTokens;
 
 // Packed short documents (forward_packed.cuh): a CTA keeps BM query rows
 // (queries in power-of-two row slots) in registers and streams the
@@ -218,9 +227,9 @@ struct Request {
   // Public override (benchmarks): this family wherever it can take the
   // call, else the rules. kNone: the rules.
   Family force = Family::kNone;
-  // The register stream's runs of pairs (force == kStream only): 1 wherever
-  // they can take the call (the longest runs), -1 never (one pair per warp
-  // or split pairs), 0 the rules.
+  // The streams' runs of pairs (force == kStream or kStreamWg only): 1
+  // wherever they can take the call (the longest runs), -1 never (one pair
+  // per warp or CTA, or split pairs), 0 the rules.
   int force_run = 0;
 };
 
@@ -231,7 +240,7 @@ inline Family& forced_family() {
   return f;
 }
 // Its runs-of-pairs part (Request::force_run): forcing("stream_run") /
-// forcing("stream_pair").
+// forcing("stream_pair"), forcing("stream_wg_run") / forcing("stream_wg_pair").
 inline int& forced_run() {
   thread_local int f = 0;
   return f;
@@ -253,6 +262,8 @@ struct StreamPlan {  // kStream
 
 struct StreamWgPlan {  // kStreamWg
   int ks = 0, nq = 0, stages = kStreamWgStages;
+  int run = 0;      // > 0: runs of this many pairs per CTA
+  int64_t rpg = 0;  // runs: runs per group of pairs sharing a query
 };
 
 struct PackedPlan {  // kPacked (tile fields: qpt, mt_total, dpc = documents per CTA, gsz, cpg, items)
@@ -358,6 +369,32 @@ inline bool stream_wg_wins(const Request& r, int64_t mean_ld, int64_t wave, int 
                                           : 2 * kStreamWgTokens * r.P <= mean_ld));
 }
 
+// Pairs of a group sharing one query: a query's K candidates (GROUPED), or
+// every pair of one CROSS query.
+inline int64_t gsz_of(const Request& r) {
+  return r.layout == kGrouped ? std::max<int64_t>(1, r.Nq > 0 ? r.Nd / r.Nq : 1) : std::max<int64_t>(r.P, 1);
+}
+
+// The staged wgmma stream's runs of pairs (one CTA a run of consecutive
+// pairs sharing the query: CROSS with one query, GROUPED candidates): for
+// documents of up to two stages and >= 4 waves of pairs, runs that give
+// whole waves (>= 2) of CTAs, capped at kStreamWgRunMax and the group.
+// Forced (force_run 1 with the family forced): the longest runs; -1: none.
+inline void plan_stream_wg_runs(StreamWgPlan& w, const Request& r, int64_t mean_ld, int64_t wave) {
+  const bool layout_ok = (r.layout == kCross && r.Nq == 1) || r.layout == kGrouped;
+  if (!layout_ok || r.force_run < 0 || r.P > std::numeric_limits<int32_t>::max()) return;
+  const bool forced = r.force == Family::kStreamWg && r.force_run > 0;
+  if (!forced && (mean_ld > kStreamWgRunMaxMeanLd || r.P < 4 * wave)) return;
+  const int64_t gsz = gsz_of(r), groups = (r.P + gsz - 1) / gsz;
+  const int64_t waves = std::max<int64_t>(2, (r.P + wave * kStreamWgRunMax - 1) / (wave * kStreamWgRunMax));
+  const int64_t rpg_fit = std::max<int64_t>(1, waves * wave / groups);
+  int64_t run = forced ? kStreamWgRunMax : (gsz + rpg_fit - 1) / rpg_fit;
+  run = std::max<int64_t>(1, std::min<int64_t>({run, (int64_t)kStreamWgRunMax, gsz}));
+  if (!forced && run < 2) return;
+  w.run = (int)run;
+  w.rpg = (gsz + run - 1) / run;
+}
+
 // The staged wgmma stream for 128 / 256-byte rows (rb), when forced or when
 // it wins the shape; false leaves the plan untouched.
 inline bool plan_stream_wg(Plan& pl, const Request& r, const DeviceFacts& dev, int64_t mean_ld, int64_t rb,
@@ -370,11 +407,13 @@ inline bool plan_stream_wg(Plan& pl, const Request& r, const DeviceFacts& dev, i
   if (!forced && !stream_wg_wins(r, mean_ld, wave, ks, nq, dev.sm_count)) return false;
   pl.family = Family::kStreamWg;
   pl.stream_wg = StreamWgPlan{ks, nq, kStreamWgStages};
-  pl.multiwave = r.P > wave;
+  plan_stream_wg_runs(pl.stream_wg, r, mean_ld, wave);
+  const int64_t run = std::max(pl.stream_wg.run, 1);
+  pl.grid = pl.stream_wg.run > 0 ? (r.P + gsz_of(r) - 1) / gsz_of(r) * pl.stream_wg.rpg : r.P;
+  pl.multiwave = pl.grid > wave;
   const int64_t prefix =
-      r.P >= 12 * wave ? stream_plain_prefix(dev, mean_ld * r.dim * elem_size(r.dtype)) : 0;
+      pl.grid >= 12 * wave ? stream_plain_prefix(dev, run * mean_ld * r.dim * elem_size(r.dtype)) : 0;
   pl.keep = stream_plain_ctas(r, dev, mean_ld, prefix);
-  pl.grid = r.P;
   return true;
 }
 
@@ -408,7 +447,7 @@ inline bool plan_stream_runs(Plan& pl, const Request& r, const DeviceFacts& dev,
   k.run = true;
   const int per_sm = std::max(blocks(dev, k), 1);
   const int64_t slots = (int64_t)per_sm * kStreamWarps * dev.sm_count;
-  const int64_t gsz = r.layout == kGrouped ? std::max<int64_t>(1, r.Nq > 0 ? r.Nd / r.Nq : 1) : r.P;
+  const int64_t gsz = gsz_of(r);
   const int64_t groups = (r.P + gsz - 1) / gsz;
   if (!forced && (r.P < 4 * slots || gsz < 2)) return false;
   // Whole waves of runs: the fewest (>= 2) that keep runs <= kStreamRunMax,

@@ -92,8 +92,9 @@ inline plan::Request forward_request(int64_t layout, int64_t nq, int64_t nd, int
 }
 
 // Sets the calling thread's planner override ("" for none; a family name as
-// plan::family_name spells it, or "stream_run" / "stream_pair": the register
-// stream with its runs of pairs forced on / off) and returns the previous one.
+// plan::family_name spells it, or "stream_run" / "stream_pair",
+// "stream_wg_run" / "stream_wg_pair": a stream with its runs of pairs forced
+// on / off) and returns the previous one.
 std::string set_forced_family(std::string family);
 
 // Returns (scores [P] fp32, argmax).

@@ -91,9 +91,10 @@ struct FwdParams {
   // segment's (start, len) arrive.
   int64_t stream_extent, stream_qextent;
   int64_t stream_tail, stream_head_blocks;
-  // Streaming kernel, runs of pairs (forward_stream_run.cuh): pairs per
-  // warp's run (0: one pair per warp or split pairs) and runs per group (the
-  // K candidates of a query, or every pair of one CROSS query).
+  // Streaming kernels, runs of pairs (forward_stream_run.cuh,
+  // forward_stream_wg.cuh): pairs per warp's (CTA's) run (0: one pair per
+  // warp or CTA, or split pairs) and runs per group (the K candidates of a
+  // query, or every pair of one CROSS query).
   int stream_run;
   int64_t stream_rpg;
   // Outputs.

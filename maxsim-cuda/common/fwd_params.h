@@ -41,8 +41,9 @@ inline void set_stream_plan(FwdParams& p, const plan::Plan& pl) {
   p.stream_qextent = pl.stream.qextent;
   p.stream_keep = pl.keep;
   p.stream_multiwave = pl.multiwave;
-  p.stream_run = pl.stream.run;
-  p.stream_rpg = pl.stream.rpg;
+  const bool wg = pl.family == plan::Family::kStreamWg;
+  p.stream_run = wg ? pl.stream_wg.run : pl.stream.run;
+  p.stream_rpg = wg ? pl.stream_wg.rpg : pl.stream.rpg;
 }
 
 // The tile kernels' fields of a plan (kMma, kWgmma, kSimt, kPacked).

@@ -314,7 +314,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
       if constexpr (std::is_same<T, float>::value) {
         MAXSIM_CHECK(false, "maxsim: no streaming kernel for float32 tokens");
       } else if (pl.family == plan::Family::kStreamWg) {
-        if constexpr (kIs16Bit<T>) run_stream_wg<T>(pl.stream_wg, p, stream);
+        if constexpr (kIs16Bit<T>) run_stream_wg<T>(pl.stream_wg, pl.grid, p, stream);
       } else {
         run_stream<T>(pl.stream, p, stream);
       }

@@ -16,7 +16,7 @@ template <typename T, int KS, int NQ, bool ARG>
 auto prepared_stream_wg_kernel() {
   auto kern = stream_wg_kernel<T, KS, NQ, kNst, ARG>;
   static int set_bytes[kSmemOptInDevices] = {};
-  opt_in_dynamic_smem(kern, stream_wg_smem(KS, NQ, kNst), set_bytes);
+  opt_in_dynamic_smem(kern, stream_wg_smem(KS, NQ, kNst, ARG), set_bytes);
   return kern;
 }
 
@@ -42,13 +42,13 @@ auto with_stream_wg_shape(int ks, int nq, bool argmax, F&& f) {
 }  // namespace
 
 template <typename T>
-void run_stream_wg(const plan::StreamWgPlan& w, const FwdParams& p, cudaStream_t st) {
+void run_stream_wg(const plan::StreamWgPlan& w, int64_t grid, const FwdParams& p, cudaStream_t st) {
   MAXSIM_CHECK(w.stages == kNst, "maxsim: staged wgmma stream: %d stages not built", w.stages);
   with_stream_wg_shape(w.ks, w.nq, p.argmax != nullptr, [&](auto k, auto n, auto a) {
     constexpr int KS = decltype(k)::value, NQ = decltype(n)::value;
     constexpr bool ARG = decltype(a)::value;
-    launch_pdl(prepared_stream_wg_kernel<T, KS, NQ, ARG>(), dim3((unsigned)p.P), dim3(kStreamWgThreads),
-               stream_wg_smem(KS, NQ, kNst), st, p);
+    launch_pdl(prepared_stream_wg_kernel<T, KS, NQ, ARG>(), dim3((unsigned)grid), dim3(kStreamWgThreads),
+               stream_wg_smem(KS, NQ, kNst, ARG), st, p);
   });
 }
 
@@ -58,13 +58,13 @@ int stream_wg_blocks(int ks, int nq, bool argmax) {
     constexpr int KS = decltype(k)::value, NQ = decltype(n)::value;
     constexpr bool ARG = decltype(a)::value;
     static const int per_sm = stream_blocks_per_sm(prepared_stream_wg_kernel<T, KS, NQ, ARG>(), kStreamWgThreads,
-                                                   stream_wg_smem(KS, NQ, kNst));
+                                                   stream_wg_smem(KS, NQ, kNst, ARG));
     return per_sm;
   });
 }
 
-template void run_stream_wg<__half>(const plan::StreamWgPlan&, const FwdParams&, cudaStream_t);
-template void run_stream_wg<__nv_bfloat16>(const plan::StreamWgPlan&, const FwdParams&, cudaStream_t);
+template void run_stream_wg<__half>(const plan::StreamWgPlan&, int64_t, const FwdParams&, cudaStream_t);
+template void run_stream_wg<__nv_bfloat16>(const plan::StreamWgPlan&, int64_t, const FwdParams&, cudaStream_t);
 template int stream_wg_blocks<__half>(int, int, bool);
 template int stream_wg_blocks<__nv_bfloat16>(int, int, bool);
 

@@ -1,7 +1,7 @@
 // Staged wgmma forward (sm_90a): one query of up to 128 rows against many
 // documents of 16-bit tokens, rows of 128 or 256 bytes (dim 64 / 128). The
-// memory-bound sibling of forward_stream.cuh: one pair per CTA of one
-// warpgroup; the document streams through NST shared-memory stages of 64
+// memory-bound sibling of forward_stream.cuh: one pair, or a run of pairs
+// sharing the query, per CTA of one warpgroup; the document streams through NST shared-memory stages of 64
 // tokens, each filled by the CTA's threads with 16-byte cp.async copies
 // (zero-filled past the document) into the 128B-swizzled K-major layout
 // wgmma reads; the query rows are staged once the same way. Each stage is
@@ -11,7 +11,7 @@
 // only. A thread folds its two tokens of a stage (rows g and g + 8 of its
 // warp's 16) into running per-column maxima (NaN-propagating max, masked /
 // out-of-range tokens -inf), reduced over the warp's and then the CTA's
-// tokens at the end; the score is the sum over query rows in the order of
+// tokens at the document's end; the score is the sum over query rows in the order of
 // the mma.sync stream's epilogue. ARG also keeps each column's argmax (a
 // thread visits its tokens in increasing order; partial states merge under
 // merge_arg's total order, as 64-bit keys), the training forward of
@@ -101,15 +101,30 @@ __device__ __forceinline__ uint64_t max_u64(uint64_t a, uint64_t b) { return a >
 using plan::kStreamWgThreads;  // one warpgroup
 using plan::kStreamWgTokens;   // tokens per stage (wgmma M)
 
-// Dynamic shared memory of a CTA (plan::stream_wg_smem): NST document stages
-// and the query tile, nothing else (the CTA's only shared memory, so its base
-// is the 1024-byte aligned start the swizzle needs).
+// Dynamic shared memory of a CTA (plan::stream_wg_smem): NST document stages,
+// the query tile and the two reduction buffers, nothing else (the CTA's only
+// shared memory, so its base is the 1024-byte aligned start the swizzle
+// needs).
 using plan::stream_wg_smem;
 
 // KS: 32-byte k steps per row (4 or 8); NQ: query rows per tile (16, 32,
 // or 64 / 128 for lq 33-128);
 // NST: document stages (NST - 1 in flight while one is scored); ARG: write
 // the argmax rows too.
+//
+// A CTA scores one pair (p.stream_run 0) or a run of up to
+// plan::kStreamWgRunMax consecutive pairs sharing a query (CROSS with one
+// query, GROUPED candidates; p.stream_run pairs a run, p.stream_rpg runs a
+// group), for documents of a stage or two, where one pair per CTA paid the
+// query's staging and the first stage's latency per document. The run's
+// documents are one sequence of stages (a document of l tokens takes
+// max(1, ceil(l / 64)): an empty or invalid one takes a stage that loads
+// nothing), NST - 1 in flight across document boundaries. Lane i of every
+// warp holds the run's i-th document segment (start, length; -1 for an
+// invalid pair), which the load and score cursors take by shuffles. A
+// document's per-warp maxima go to one of two reduction buffers, summed by
+// warp 0 after the next stage's barrier, so a document costs no barrier of
+// its own. Every pair is scored as in a run of one: the same bits.
 template <typename T, int KS, int NQ, int NST, bool ARG>
 __global__ void __launch_bounds__(kStreamWgThreads) stream_wg_kernel(const FwdParams p) {
 #if MAXSIM_WG_DEVICE
@@ -119,17 +134,39 @@ __global__ void __launch_bounds__(kStreamWgThreads) stream_wg_kernel(const FwdPa
   constexpr int SB = kStreamWgTokens * RB;          // stage bytes
   constexpr int NA = NQ / 2;                        // accumulators per thread
   constexpr int CPT = kStreamWgTokens * CH / kStreamWgThreads;  // copies per thread per stage
+  constexpr unsigned kAll = 0xffffffffu;
   const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, c = lane & 3, warp = tid >> 5;
-  const int64_t pr = blockIdx.x;
-  int64_t n = 0, dn = pr;
-  if (p.layout == kGroupedL)
-    n = pr / p.K;
-  else if (!(p.layout == kCrossL && p.Nq == 1))
-    pair_ids(p, pr, n, dn);
-  int qs = 0, ql = 0, ds = 0, dl = 0;
+  // The CTA's pairs first .. first + cnt - 1, of query n; in a run, pair
+  // first + i's document is first + i in both layouts (pair_ids).
+  int64_t first, n = 0, dn = 0;
+  int cnt = 1;
+  if (p.stream_run == 0) {
+    first = dn = blockIdx.x;
+    if (p.layout == kGroupedL)
+      n = first / p.K;
+    else if (!(p.layout == kCrossL && p.Nq == 1))
+      pair_ids(p, first, n, dn);
+  } else {
+    // A 32-bit division (the planner keeps P < 2^31); the grid holds runs only.
+    const uint32_t rpg = (uint32_t)p.stream_rpg, R = (uint32_t)p.stream_run;
+    const uint32_t grp = blockIdx.x / rpg, rr = blockIdx.x - grp * rpg;
+    const int64_t gsz = p.layout == kGroupedL ? p.K : p.P;
+    first = dn = (int64_t)grp * gsz + (int64_t)rr * R;
+    cnt = (int)min((int64_t)R, min(gsz - (int64_t)rr * R, p.P - first));
+    n = p.layout == kGroupedL ? (int64_t)grp : 0;
+  }
+  int qs = 0, ql = 0;
   const bool qok = query_ok(p, n, qs, ql);
-  const bool ok = doc_ok(p, dn, ds, dl) && qok;
-  if (!ok) dl = 0;
+  int lds = 0, ldl = -1;  // this lane's document of the run
+  {
+    int s, l;
+    if (lane < cnt && doc_ok(p, dn + lane, s, l) && qok) lds = s, ldl = l;
+  }
+  // Stages of a document of l tokens (l < 0: invalid).
+  const auto stages_of = [](int l) { return l > kStreamWgTokens ? (l + kStreamWgTokens - 1) / kStreamWgTokens : 1; };
+  int nst = lane < cnt ? stages_of(ldl) : 0;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) nst += __shfl_xor_sync(kAll, nst, o);
   uint64_t pol;
   if ((int)blockIdx.x < p.stream_keep)
     asm("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(pol));
@@ -139,24 +176,34 @@ __global__ void __launch_bounds__(kStreamWgThreads) stream_wg_kernel(const FwdPa
   extern __shared__ __align__(1024) unsigned char wg_smem[];
   const uint32_t sbase = smem_u32(wg_smem);
   const uint32_t qbase = sbase + NST * SB;
+  // Two reduction buffers of [4 warps][NQ] maxima (ARG: 64-bit keys).
+  using Red = std::conditional_t<ARG, uint64_t, float>;
+  Red* const red_base = reinterpret_cast<Red*>(wg_smem + NST * SB + NQ * RB);
   // Row r, chunk j of a tile of `rows` rows: 128-byte k block j / 8, 16-byte
   // slot (j % 8) ^ (r % 8) of its row (the 128B swizzle).
   auto sw = [](int rows, int r, int j) -> uint32_t {
     return (uint32_t)((j >> 3) * rows * 128 + r * 128 + ((((j & 7) ^ (r & 7))) << 4));
   };
-  // Copy x of a stage: row x / CH, chunk x % CH (a row's chunks on
-  // consecutive threads).
-  const int nst = (dl + kStreamWgTokens - 1) / kStreamWgTokens;
+  // The load cursor: document fd of the run (start fds, length fdl >= 0),
+  // its stage ft. Copy x of a stage: row x / CH, chunk x % CH (a row's
+  // chunks on consecutive threads).
+  int fd = 0, ft = 0, fds = __shfl_sync(kAll, lds, 0), fdl = max(__shfl_sync(kAll, ldl, 0), 0);
   auto stage_in = [&](int t) {
-    if (t < nst) {
+    if (fd < cnt) {
       const uint32_t dst = sbase + (uint32_t)((t % NST) * SB);
 #pragma unroll
       for (int i = 0; i < CPT; ++i) {
         const int x = tid + i * kStreamWgThreads, r = x / CH, j = x % CH;
-        const int tok = t * kStreamWgTokens + r;
-        const bool in = tok < dl;
-        const char* src = p.d + (in ? ((int64_t)ds + tok) * RB + j * 16 : 0);
+        const int tok = ft * kStreamWgTokens + r;
+        const bool in = tok < fdl;
+        const char* src = p.d + (in ? ((int64_t)fds + tok) * RB + j * 16 : 0);
         cp_async_pol(dst + sw(kStreamWgTokens, r, j), src, in ? 16 : 0, pol);
+      }
+      if (++ft == stages_of(fdl)) {
+        ft = 0;
+        ++fd;
+        fds = __shfl_sync(kAll, lds, fd & 31);
+        fdl = max(__shfl_sync(kAll, ldl, fd & 31), 0);
       }
     }
     cp_async_commit();
@@ -180,12 +227,47 @@ __global__ void __launch_bounds__(kStreamWgThreads) stream_wg_kernel(const FwdPa
     best[i] = neg_inf();
     bidx[i] = -1;
   }
+  // Warp 0: document d's score (and argmax rows) from its reduction buffer.
+  // Lane l sums query rows l, l + 32, ... (one row for lq <= 32: the
+  // mma.sync stream's order), then the warp's lanes.
+  const auto finish = [&](int d) {
+    const Red* red = red_base + (d & 1) * 4 * NQ;
+    const bool ok = __shfl_sync(kAll, ldl, d) >= 0;
+    const int64_t pr = first + d;
+    float part = 0.f;
+#pragma unroll
+    for (int k = 0; k < (NQ + 31) / 32; ++k) {
+      const int row = lane + 32 * k;
+      float v = neg_inf();
+      int vi = -1;
+      if (row < NQ) {
+        if constexpr (ARG) {
+          arg_unkey(max_u64(max_u64(red[row], red[NQ + row]), max_u64(red[2 * NQ + row], red[3 * NQ + row])), v,
+                    vi);
+        } else {
+          v = max_nan(max_nan(red[row], red[NQ + row]), max_nan(red[2 * NQ + row], red[3 * NQ + row]));
+        }
+      }
+      bool use = ok && row < ql && v != neg_inf();
+      if (use && p.q_mask != nullptr) use = p.q_mask[(int64_t)qs + row];
+      part = k == 0 ? (use ? v : 0.f) : part + (use ? v : 0.f);
+      if (ARG && row < p.lq) store_argmax(p, pr * p.lq + row, use ? vi : -1);
+    }
+    const float sum = warp_sum(part);
+    if (lane == 0) store_score(p, pr, ok, sum);
+  };
+  // The score cursor: document cd (start cds, length cdl, -1 if invalid),
+  // its stage ct; pend: the document whose maxima wait for warp 0.
+  int cd = 0, ct = 0, cds = __shfl_sync(kAll, lds, 0), cdl = __shfl_sync(kAll, ldl, 0), pend = -1;
   for (int t = 0; t < nst; ++t) {
     // This thread's copies of the query and stage t have landed; the
-    // barrier makes every thread's visible to wgmma.
+    // barrier makes every thread's visible to wgmma, and every warp's
+    // maxima of document pend visible to warp 0.
     cp_async_wait<NST - 2>();
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     __syncthreads();
+    if (warp == 0 && pend >= 0) finish(pend);
+    pend = -1;
     float acc[NA];
 #pragma unroll
     for (int i = 0; i < NA; ++i) acc[i] = 0.f;
@@ -203,14 +285,15 @@ __global__ void __launch_bounds__(kStreamWgThreads) stream_wg_kernel(const FwdPa
     wg_wait<0>();
     wg_fence_acc<NA>(acc);
     // Columns 8 j + 2 c + e; rows g (acc 4 j + e) and g + 8 (4 j + 2 + e).
-    const int j0 = t * kStreamWgTokens + 16 * warp + g;
+    const int dl = max(cdl, 0);
+    const int j0 = ct * kStreamWgTokens + 16 * warp + g;
     bool v0 = true, v1 = true;
-    if (!(t * kStreamWgTokens + kStreamWgTokens <= dl && p.d_mask == nullptr)) {
+    if (!(ct * kStreamWgTokens + kStreamWgTokens <= dl && p.d_mask == nullptr)) {
       v0 = j0 < dl;
       v1 = j0 + 8 < dl;
       if (p.d_mask != nullptr) {
-        v0 = v0 && p.d_mask[(int64_t)ds + j0];
-        v1 = v1 && p.d_mask[(int64_t)ds + j0 + 8];
+        v0 = v0 && p.d_mask[(int64_t)cds + j0];
+        v1 = v1 && p.d_mask[(int64_t)cds + j0 + 8];
       }
     }
 #pragma unroll
@@ -225,67 +308,49 @@ __global__ void __launch_bounds__(kStreamWgThreads) stream_wg_kernel(const FwdPa
           best[2 * j + e] = max_nan(best[2 * j + e], max_nan(a0, a1));
         }
       }
+    if (++ct == stages_of(cdl)) {
+      // Document cd is scored: max over the warp's 16 tokens (lanes of
+      // equal c) into its buffer, which warp 0 last read two documents ago,
+      // before the barrier this stage passed.
+      Red* red = red_base + (cd & 1) * 4 * NQ;
+#pragma unroll
+      for (int i = 0; i < NA / 2; ++i) {
+        if constexpr (ARG) {
+          uint64_t k = arg_key(best[i], bidx[i]);
+#pragma unroll
+          for (int o = 4; o < 32; o <<= 1) k = max_u64(k, __shfl_xor_sync(kAll, k, o));
+          if (g == 0) red[warp * NQ + 8 * (i / 2) + 2 * c + (i % 2)] = k;
+        } else {
+          float b = best[i];
+#pragma unroll
+          for (int o = 4; o < 32; o <<= 1) b = max_nan(b, __shfl_xor_sync(kAll, b, o));
+          if (g == 0) red[warp * NQ + 8 * (i / 2) + 2 * c + (i % 2)] = b;
+        }
+        best[i] = neg_inf();
+        bidx[i] = -1;
+      }
+      pend = cd;
+      ct = 0;
+      ++cd;
+      cds = __shfl_sync(kAll, lds, cd & 31);
+      cdl = __shfl_sync(kAll, ldl, cd & 31);
+    }
   }
   cp_async_wait<0>();
   if (p.stream_multiwave) pdl_trigger();
-  // Max over the warp's 16 tokens (lanes of equal c), then over the 4 warps,
-  // through a stage no wgmma reads any more: stage nst - 2's chain retired
-  // before every thread passed the barrier of stage nst - 1 (and with fewer
-  // than two stages, one was never filled).
-  float* red = reinterpret_cast<float*>(wg_smem + ((nst + NST - 2) % NST) * SB);  // [4][NQ]
-  uint64_t* red_k = reinterpret_cast<uint64_t*>(red);                              // [4][NQ] (ARG)
-  if constexpr (ARG) {
-#pragma unroll
-    for (int i = 0; i < NA / 2; ++i) {
-      uint64_t k = arg_key(best[i], bidx[i]);
-#pragma unroll
-      for (int o = 4; o < 32; o <<= 1) k = max_u64(k, __shfl_xor_sync(0xffffffffu, k, o));
-      if (g == 0) red_k[warp * NQ + 8 * (i / 2) + 2 * c + (i % 2)] = k;
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < NA / 2; ++i) {
-#pragma unroll
-      for (int o = 4; o < 32; o <<= 1) best[i] = max_nan(best[i], __shfl_xor_sync(0xffffffffu, best[i], o));
-      if (g == 0) red[warp * NQ + 8 * (i / 2) + 2 * c + (i % 2)] = best[i];
-    }
-  }
   __syncthreads();
-  if (warp == 0) {
-    // Lane l sums query rows l, l + 32, ... (one row for lq <= 32: the
-    // mma.sync stream's order), then the warp's lanes.
-    float part = 0.f;
-#pragma unroll
-    for (int k = 0; k < (NQ + 31) / 32; ++k) {
-      const int row = lane + 32 * k;
-      float v = neg_inf();
-      int vi = -1;
-      if (row < NQ) {
-        if constexpr (ARG) {
-          arg_unkey(max_u64(max_u64(red_k[row], red_k[NQ + row]), max_u64(red_k[2 * NQ + row], red_k[3 * NQ + row])),
-                    v, vi);
-        } else {
-          v = max_nan(max_nan(red[row], red[NQ + row]), max_nan(red[2 * NQ + row], red[3 * NQ + row]));
-        }
-      }
-      bool use = ok && row < ql && v != neg_inf();
-      if (use && p.q_mask != nullptr) use = p.q_mask[(int64_t)qs + row];
-      part = k == 0 ? (use ? v : 0.f) : part + (use ? v : 0.f);
-      if (ARG && row < p.lq) store_argmax(p, pr * p.lq + row, use ? vi : -1);
-    }
-    const float sum = warp_sum(part);
-    if (lane == 0) store_score(p, pr, ok, sum);
-  }
+  if (warp == 0 && pend >= 0) finish(pend);
 #endif
 }
 
 // Defined for __half / __nv_bfloat16 in forward_stream_wg.cu: the plan's
-// kernel (KS, NQ, stages) over one pair per CTA, and its resident CTAs per SM.
+// kernel (KS, NQ, stages) over `grid` CTAs (pairs, or runs of pairs), and its
+// resident CTAs per SM.
 // One query against documents, per-query candidates and pair lists (a pair
 // scores bitwise as in the padded layouts); the search re-score stays on the
 // mma.sync stream's k order.
 template <typename T>
-void run_stream_wg(const plan::StreamWgPlan& w, const FwdParams& p, cudaStream_t st);
+void run_stream_wg(const plan::StreamWgPlan& w, int64_t grid, const FwdParams& p, cudaStream_t st);
 template <typename T>
 int stream_wg_blocks(int ks, int nq, bool argmax);
 

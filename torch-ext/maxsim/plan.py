@@ -55,8 +55,9 @@ def explain(Q: Tensor, D: Tensor, q_mask: Optional[Tensor] = None, d_mask: Optio
     ``"wgmma"``, ``"simt"``, ``"packed"`` or ``"none"``) and the plan's integers (e.g.
     ``cfg``, ``splits``, ``grid``; ``split`` 1 on ``"mma"`` when fp32 tokens
     take split 3xTF32 products, 0 for one TF32 product or 16/8-bit tokens;
-    ``run`` on ``"stream"``: pairs per warp's run of one query's consecutive
-    documents, 0 for one pair per warp or split pairs).
+    ``run`` on ``"stream"`` / ``"stream_wg"``: pairs per warp's (CTA's) run of
+    one query's consecutive documents, 0 for one pair per warp (CTA) or split
+    pairs).
     On a CUDA tensor with no override the plan is the device's own (its occupancy included). ``arch`` (``"9.0a"``,
     ``"8.0"``, or 90 / 80 / 86 / 89) and ``sm_count`` plan for another device,
     from a model of its shared memory and occupancy (default for CPU tensors:
@@ -87,9 +88,10 @@ def explain(Q: Tensor, D: Tensor, q_mask: Optional[Tensor] = None, d_mask: Optio
 
 
 FAMILIES = ("stream", "stream_wg", "mma", "wgmma", "simt", "packed")
-# The register stream ("stream") with its runs of pairs forced on (the
-# longest runs, wherever they can take the call) or off (one pair per warp).
-STREAM_MODES = ("stream_run", "stream_pair")
+# The register stream ("stream") and the staged wgmma stream ("stream_wg")
+# with their runs of pairs forced on (the longest runs, wherever they can
+# take the call) or off (one pair per warp or CTA).
+STREAM_MODES = ("stream_run", "stream_pair", "stream_wg_run", "stream_wg_pair")
 
 
 @contextmanager
