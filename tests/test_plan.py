@@ -214,8 +214,7 @@ def test_stream_run_rules(ms, arch, sms):
     assert plan(ms, GROUPED, 64, 64000, 32, 24, arch=arch, sms=sms, dtype=torch.float16)["run"] >= 2
     # Not: long documents, few pairs, several queries, 8-bit rows, rows of
     # 64 / 192 bytes, pair lists, one candidate per query, argmax, fp32.
-    p = plan(ms, CROSS, 1, 200000, 32, 64, arch=arch, sms=sms)  # sm_90a: the staged wgmma stream's runs
-    assert p["family"] == "stream_wg" if arch == 90 else p.get("run", 0) == 0, p
+    assert plan(ms, CROSS, 1, 200000, 32, 64, arch=arch, sms=sms).get("run", 0) == 0
     assert plan(ms, CROSS, 1, 20000, 32, 300, arch=arch, sms=sms).get("run", 0) == 0
     assert plan(ms, CROSS, 1, 100000, 32, 40, arch=arch, sms=sms).get("run", 0) == 0
     assert plan(ms, CROSS, 1, 1000, 32, 8, arch=arch, sms=sms)["run"] == 0
@@ -265,11 +264,13 @@ def test_stream_run_forcing(ms):
     assert ms.explain(Q, D, force="stream_run")["run"] == 32
 
 def test_stream_wg_run_rules(ms):
-    # One query's documents of one or two 64-token stages, and candidates,
-    # >= 4 waves of pairs: the staged wgmma stream in runs of 2-32 pairs per
-    # CTA, whole waves of runs; the grid counts runs.
-    for nd, ld, lq in ((50000, 64, 32), (30000, 128, 32), (50000, 64, 100), (50000, 70, 16)):
-        p = plan(ms, CROSS, 1, nd, lq, ld)
+    # One query's documents of one or two 64-token stages (more than 32
+    # query rows, or with the argmax), and candidates, >= 4 waves of pairs:
+    # the staged wgmma stream in runs of 2-32 pairs per CTA, whole waves of
+    # runs; the grid counts runs.
+    for nd, ld, lq, argmax in ((50000, 64, 100, False), (30000, 128, 64, False), (50000, 64, 32, True),
+                               (50000, 70, 16, True)):
+        p = plan(ms, CROSS, 1, nd, lq, ld, argmax=argmax)
         assert p["family"] == "stream_wg" and 2 <= p["run"] <= 32, (nd, ld, lq, p)
         assert p["grid"] == -(-nd // p["run"]), p
     p = plan(ms, GROUPED, 64, 64000, 32, 100)
@@ -277,13 +278,16 @@ def test_stream_wg_run_rules(ms):
     assert p["grid"] == 64 * -(-1000 // p["run"]), p
     p = plan(ms, GROUPED, 64, 64000, 32, 100, argmax=True)
     assert p["family"] == "stream_wg" and p["run"] >= 2, p
-    # Not: longer documents, few pairs, pair lists, sm_80, short documents
-    # (the register stream).
-    assert plan(ms, CROSS, 1, 20000, 32, 300)["run"] == 0
-    assert plan(ms, CROSS, 1, 1000, 32, 64)["run"] == 0
-    assert plan(ms, LIST, 1, 50000, 32, 64)["run"] == 0
-    assert plan(ms, CROSS, 1, 50000, 32, 64, arch=80)["family"] != "stream_wg"
-    assert plan(ms, CROSS, 1, 100000, 32, 32)["family"] == "stream"
+    # Not: longer documents, few pairs, pair lists, sm_80; one query's
+    # documents of up to 128 tokens and <= 32 query rows without the argmax,
+    # and short documents: the register stream.
+    assert (plan(ms, CROSS, 1, 20000, 32, 300)["family"], plan(ms, CROSS, 1, 20000, 32, 300)["run"]) == \
+        ("stream_wg", 0)
+    assert plan(ms, CROSS, 1, 1000, 64, 64)["run"] == 0
+    assert plan(ms, LIST, 1, 50000, 64, 64)["run"] == 0
+    assert plan(ms, CROSS, 1, 50000, 64, 64, arch=80)["family"] != "stream_wg"
+    for ld in (32, 64, 128):
+        assert plan(ms, CROSS, 1, 50000, 32, ld)["family"] == "stream", ld
     # Forced: the longest runs (capped by the group) wherever the layout
     # allows, none for pair lists; forced off: one pair per CTA.
     assert plan(ms, CROSS, 1, 20000, 32, 300, force="stream_wg_run")["run"] == 32
@@ -296,11 +300,11 @@ def test_stream_wg_run_rules(ms):
     assert (p["family"], p["run"], p["grid"]) == ("stream_wg", 0, 50000), p
     assert plan(ms, CROSS, 1, 50000, 32, 64, force="stream_wg")["run"] >= 2
     # The thread's override restores a run mode.
-    Q = torch.randn(1, 32, 128, dtype=torch.bfloat16)
+    Q = torch.randn(1, 64, 128, dtype=torch.bfloat16)
     D = torch.empty(50000, 64, 128, dtype=torch.bfloat16, device="meta")
     with ms.forcing("stream_wg_pair"):
-        with ms.forcing("stream_run"):
-            assert ms.explain(Q, D)["family"] == "stream"
+        with ms.forcing("mma"):
+            assert ms.explain(Q, D)["family"] == "mma"
         assert (ms.explain(Q, D)["family"], ms.explain(Q, D)["run"]) == ("stream_wg", 0)
     assert ms.explain(Q, D)["run"] >= 2
 

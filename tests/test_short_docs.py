@@ -485,11 +485,11 @@ def test_stream_wg_runs_candidates(ms, dtype, lq, ld):
 
 @SM90A
 def test_stream_wg_runs_by_the_rule(ms):
-    """One query's documents of one or two stages, and candidates, take runs
-    by the planner's own rule, bitwise the one-pair scores; long documents
-    do not; a CUDA graph replays them."""
+    """One query's documents of one or two stages (64 query rows), and
+    candidates, take runs by the planner's own rule, bitwise the one-pair
+    scores; long documents do not; a CUDA graph replays them."""
     g = torch.Generator(device="cuda").manual_seed(37)
-    Q = torch.randn(1, 32, 128, device="cuda", generator=g).to(torch.bfloat16)
+    Q = torch.randn(1, 64, 128, device="cuda", generator=g).to(torch.bfloat16)
     D = torch.randn(20000, 64, 128, device="cuda", generator=g).to(torch.bfloat16)
     p = ms.explain(Q, D)
     assert (p["family"], p["run"] >= 2) == ("stream_wg", True), p
@@ -503,3 +503,14 @@ def test_stream_wg_runs_by_the_rule(ms):
     _same_bits(graph_out, out)
     p = ms.explain(Q, torch.empty(20000, 300, 128, dtype=torch.bfloat16, device="meta"))
     assert (p["family"], p["run"]) == ("stream_wg", 0), p
+    # candidates: 64 queries x 1000 own documents x 64 tokens, with lengths
+    Qb = torch.randn(64, 32, 128, device="cuda", generator=g).to(torch.bfloat16)
+    Db = torch.randn(64, 1000, 64, 128, device="cuda", generator=g).to(torch.bfloat16)
+    dlen = torch.randint(0, 65, (64, 1000), device="cuda", generator=g)
+    p = ms.explain(Qb, Db)
+    assert (p["family"], p["run"] >= 2) == ("stream_wg", True), p
+    outb = ms.score_candidates_padded_with_argmax(Qb, Db, None, dlen)
+    with ms.forcing("stream_wg_pair"):
+        _same_bits(outb, ms.score_candidates_padded_with_argmax(Qb, Db, None, dlen))
+    ref = ms.maxsim_reference(Qb, Db, None, lengths_mask(dlen.reshape(-1), 64).view(64, 1000, 64))
+    assert_close(outb[0], ref, torch.bfloat16)
