@@ -172,11 +172,16 @@ def test_from_hidden_winners_poison_and_shapes(ms, device, dtype, candidates, tr
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_from_hidden_winners_wide_and_fp64(ms, device, train_path):
-    """d_out past the per-winner kernel's 1024 and fp64 inputs train through
-    the compositions of the backward's steps, against fp64."""
+    """d_out past the per-winner kernel's 1024 and fp64 inputs (the CPU's;
+    CUDA refuses them, as maxsim does) train through the compositions of the
+    backward's steps, against fp64."""
     for do, dtype in ((1030, torch.float32), (24, torch.float64)):
         Q, H, W, b = (t.to(dtype) for t in _inputs(device, 2, 3, 4, 5, 16, do, True, seed=do))
         leaves = [t.clone().requires_grad_(True) for t in (Q, H, W, b)]
+        if dtype == torch.float64 and device == "cuda":
+            with pytest.raises(TypeError, match="float64 only on the CPU"):
+                ms.maxsim_from_hidden(*leaves)
+            continue
         out = ms.maxsim_from_hidden(*leaves)
         refs = [t.detach().double().requires_grad_(True) for t in leaves]
         ref = ms.head.maxsim_from_hidden_reference(*refs)
