@@ -155,18 +155,16 @@ __global__ void __launch_bounds__(kStreamWgThreads) stream_wg_kernel(const FwdPa
     cnt = (int)min((int64_t)R, min(gsz - (int64_t)rr * R, p.P - first));
     n = p.layout == kGroupedL ? (int64_t)grp : 0;
   }
-  int qs = 0, ql = 0;
+  // This lane's document: the run's lane-th (id -1 past the run: no load),
+  // or the pair's own in every lane. Both segments' words load before any
+  // is tested (doc_ok, query_ok): one round trip, not two.
+  const bool run = p.stream_run != 0;
+  int seg_s, seg_l, qs = 0, ql = 0;
+  const bool dok = doc_ok(p, !run ? dn : lane < cnt ? dn + lane : -1, seg_s, seg_l);
   const bool qok = query_ok(p, n, qs, ql);
-  int lds = 0, ldl = -1;  // this lane's document of the run
-  {
-    int s, l;
-    if (lane < cnt && doc_ok(p, dn + lane, s, l) && qok) lds = s, ldl = l;
-  }
+  const int lds = dok && qok ? seg_s : 0, ldl = dok && qok ? seg_l : -1;
   // Stages of a document of l tokens (l < 0: invalid).
   const auto stages_of = [](int l) { return l > kStreamWgTokens ? (l + kStreamWgTokens - 1) / kStreamWgTokens : 1; };
-  int nst = lane < cnt ? stages_of(ldl) : 0;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) nst += __shfl_xor_sync(kAll, nst, o);
   uint64_t pol;
   if ((int)blockIdx.x < p.stream_keep)
     asm("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(pol));
@@ -187,7 +185,7 @@ __global__ void __launch_bounds__(kStreamWgThreads) stream_wg_kernel(const FwdPa
   // The load cursor: document fd of the run (start fds, length fdl >= 0),
   // its stage ft. Copy x of a stage: row x / CH, chunk x % CH (a row's
   // chunks on consecutive threads).
-  int fd = 0, ft = 0, fds = __shfl_sync(kAll, lds, 0), fdl = max(__shfl_sync(kAll, ldl, 0), 0);
+  int fd = 0, ft = 0, fds = run ? __shfl_sync(kAll, lds, 0) : lds, fdl = max(run ? __shfl_sync(kAll, ldl, 0) : ldl, 0);
   auto stage_in = [&](int t) {
     if (fd < cnt) {
       const uint32_t dst = sbase + (uint32_t)((t % NST) * SB);
@@ -219,6 +217,12 @@ __global__ void __launch_bounds__(kStreamWgThreads) stream_wg_kernel(const FwdPa
   cp_async_commit();
 #pragma unroll
   for (int t = 0; t < NST - 1; ++t) stage_in(t);
+  int nst = stages_of(ldl);  // the CTA's stages
+  if (run) {
+    nst = lane < cnt ? nst : 0;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) nst += __shfl_xor_sync(kAll, nst, o);
+  }
 
   float best[NA / 2];
   int bidx[NA / 2];
@@ -258,7 +262,8 @@ __global__ void __launch_bounds__(kStreamWgThreads) stream_wg_kernel(const FwdPa
   };
   // The score cursor: document cd (start cds, length cdl, -1 if invalid),
   // its stage ct; pend: the document whose maxima wait for warp 0.
-  int cd = 0, ct = 0, cds = __shfl_sync(kAll, lds, 0), cdl = __shfl_sync(kAll, ldl, 0), pend = -1;
+  int cd = 0, ct = 0, cds = run ? __shfl_sync(kAll, lds, 0) : lds, cdl = run ? __shfl_sync(kAll, ldl, 0) : ldl;
+  int pend = -1;
   for (int t = 0; t < nst; ++t) {
     // This thread's copies of the query and stage t have landed; the
     // barrier makes every thread's visible to wgmma, and every warp's
