@@ -233,18 +233,26 @@ def _bits(x):
     return x.float().contiguous().view(torch.int32)
 
 
-def _stream_modes(ms, fn, Q, D):
-    """fn() under forced runs and forced single pairs: (runs, pairs), after
-    checking that each mode is the plan explain shows for (Q, D)."""
-    with ms.forcing("stream_run"):
+def _stream_modes(ms, fn, Q, D, family="stream"):
+    """fn() under forced runs and forced single pairs of a stream (``stream``
+    or ``stream_wg``): (runs, pairs), after checking that each mode is the
+    plan explain shows for (Q, D)."""
+    with ms.forcing(f"{family}_run"):
         p = ms.explain(Q, D)
-        assert p["family"] == "stream" and p["run"] >= 1, p
+        assert p["family"] == family and p["run"] >= 1, p
         runs = fn()
-    with ms.forcing("stream_pair"):
+    with ms.forcing(f"{family}_pair"):
         p = ms.explain(Q, D)
-        assert p["family"] == "stream" and p["run"] == 0, p
+        assert p["family"] == family and p["run"] == 0, p
         pairs = fn()
     return runs, pairs
+
+
+def _same_bits(a, b):
+    """Scores (and argmax) equal bit for bit."""
+    a, b = (a if isinstance(a, tuple) else (a,)), (b if isinstance(b, tuple) else (b,))
+    for x, y in zip(a, b):
+        assert torch.equal(_bits(x) if x.is_floating_point() else x, _bits(y) if y.is_floating_point() else y)
 
 
 def _check_against(out, ref, dtype, nan_docs, zero_docs):
@@ -265,11 +273,18 @@ def _check_against(out, ref, dtype, nan_docs, zero_docs):
 @pytest.mark.parametrize("nd", [1, 7, 300, 5000])
 @pytest.mark.parametrize("ld", [1, 3, 8, 15, 16, 24, 32])
 def test_stream_runs_one_query(ms, dtype, dim, lq, nd, ld):
+    """One query x nd documents of ld tokens, the register stream's runs
+    against one pair per warp (_one_query_runs)."""
+    _one_query_runs(ms, "stream", dtype, dim, lq, nd, ld, 1000 * ld + nd + lq + dim, argmax=False)
+
+
+def _one_query_runs(ms, family, dtype, dim, lq, nd, ld, seed, argmax):
     """One query x nd documents of ld tokens: padded with token masks (holes,
-    prefix lengths including 0, fully masked documents) and ragged with
-    lengths including 0; a NaN token in one document (NaN for it only).
-    Runs against fp64, and bitwise against one pair per warp."""
-    g = torch.Generator().manual_seed(1000 * ld + nd + lq + dim)
+    prefix lengths including 0, fully masked documents) and a NaN token (NaN
+    for that document only); ragged with lengths including 0, and a NaN
+    token or (argmax) the argmax rows. Runs of pairs of `family` against
+    fp64 (the argmax attains the max), and bitwise against single pairs."""
+    g = torch.Generator().manual_seed(seed)
     Q = rand(1, lq, dim, dtype=dtype, gen=g).cuda()
     qm = torch.rand(1, lq, generator=g) > 0.2
     qm[0, 0] = True
@@ -283,8 +298,8 @@ def test_stream_runs_one_query(ms, dtype, dim, lq, nd, ld):
     D[bad, ld - 1, dim // 3] = float("nan")
     D, dm, qm = D.cuda(), dm.cuda(), qm.cuda()
     ref = ms.maxsim_reference(Q, D, qm, dm)
-    runs, pairs = _stream_modes(ms, lambda: ms.maxsim(Q, D, qm, dm), Q, D)
-    assert torch.equal(_bits(runs), _bits(pairs))
+    runs, pairs = _stream_modes(ms, lambda: ms.maxsim(Q, D, qm, dm), Q, D, family)
+    _same_bits(runs, pairs)
     _check_against(runs, ref, dtype, [bad], ~dm.cpu().any(dim=1))
     # ragged documents, lengths (0 included), no masks
     dlens = torch.randint(0, ld + 1, (nd,), generator=g)
@@ -292,75 +307,113 @@ def test_stream_runs_one_query(ms, dtype, dim, lq, nd, ld):
     dlens[bad] = ld
     doff = torch.cat([torch.zeros(1, dtype=torch.long), dlens.cumsum(0)])
     d = rand(int(doff[-1]), dim, dtype=dtype, gen=g)
-    d[int(doff[bad]), 0] = float("nan")
+    if not argmax:
+        d[int(doff[bad]), 0] = float("nan")
     Dp = torch.zeros(nd, ld, dim, dtype=dtype)
-    Dp[lengths_mask(dlens, ld)] = d
-    ref2 = ms.maxsim_reference(Q.cpu(), Dp, None, lengths_mask(dlens, ld))
+    dmask = lengths_mask(dlens, ld)
+    Dp[dmask] = d
+    ref2 = ms.maxsim_reference(Q.cpu(), Dp, None, dmask)
     d, doff = d.cuda(), doff.cuda()
-    runs2, pairs2 = _stream_modes(ms, lambda: ms.score_contrastive(Q, d, doff), Q, Dp.to("meta"))
-    assert torch.equal(_bits(runs2), _bits(pairs2))
-    _check_against(runs2, ref2, dtype, [bad], dlens == 0)
+    score = ms.score_contrastive_with_argmax if argmax else ms.score_contrastive
+    runs2, pairs2 = _stream_modes(ms, lambda: score(Q, d, doff), Q, Dp.to("meta"), family)
+    _same_bits(runs2, pairs2)
+    if argmax:
+        assert_close(runs2[0], ref2, dtype)
+        assert torch.all(runs2[0].cpu()[0, dlens == 0] == 0)
+        _check_argmax_cross(Q, Dp, dmask, torch.tensor([lq]), runs2[1])
+    else:
+        _check_against(runs2, ref2, dtype, [bad], dlens == 0)
 
 
 @CUDA_ONLY
 @pytest.mark.parametrize("dtype", SHORT_DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("dim", [64, 128])
 def test_stream_runs_candidates(ms, dtype, dim):
-    """Per-query candidates (GROUPED), B 3 x K 1000 x Ld 24 with query and
-    document lengths (0 included, one invalid length: NaN for that pair):
-    runs never cross a query's candidates (1000 = 31 runs of 32 + 8)."""
-    g = torch.Generator().manual_seed(dim + 3)
-    B, K, lq, ld = 3, 1000, 32, 24
+    """The register stream's runs over B 3 x K 1000 x Ld 24 candidates (1000 =
+    31 runs of 32 + 8; _candidates_runs)."""
+    _candidates_runs(ms, "stream", dtype, 1000, 32, 24, dim, dim + 3, argmax=False)
+
+
+def _candidates_runs(ms, family, dtype, K, lq, ld, dim, seed, argmax):
+    """Per-query candidates (GROUPED), B 3 x K with query and document lengths
+    (0 included, a full document on each side of the first run boundary, one
+    invalid length: NaN for that pair): `family`'s runs never cross a query's
+    candidates; bitwise the single pairs' scores (and argmax), against fp64
+    (the argmax attains each row's max, -1 where no token counts)."""
+    g = torch.Generator().manual_seed(seed)
+    B = 3
     Q = rand(B, lq, dim, dtype=dtype, gen=g).cuda()
     D = rand(B, K, ld, dim, dtype=dtype, gen=g).cuda()
     qlen = torch.randint(1, lq + 1, (B,), generator=g)
     qlen[1] = 3
     dlen = torch.randint(0, ld + 1, (B, K), generator=g)
     dlen[:, :40:3] = 0
-    ref = ms.maxsim_reference(Q, D, lengths_mask(qlen, lq).cuda(), lengths_mask(dlen, ld).view(B, K, ld).cuda())
+    dlen[0, 31:33] = ld
+    qmask, dmask = lengths_mask(qlen, lq), lengths_mask(dlen.reshape(-1), ld).view(B, K, ld)
+    ref = ms.maxsim_reference(Q, D, qmask.cuda(), dmask.cuda())
     qlen, dlen = qlen.cuda(), dlen.cuda()
-    fn = lambda: ms.score_candidates_padded(Q, D, qlen, dlen)  # noqa: E731
-    runs, pairs = _stream_modes(ms, fn, Q, D)
-    assert torch.equal(_bits(runs), _bits(pairs))
-    assert_close(runs, ref, dtype)
-    assert torch.all(runs.cpu()[dlen.cpu() == 0] == 0)
+    score = ms.score_candidates_padded_with_argmax if argmax else ms.score_candidates_padded
+    runs, pairs = _stream_modes(ms, lambda: score(Q, D, qlen, dlen), Q, D, family)
+    _same_bits(runs, pairs)
+    scores = runs[0] if argmax else runs
+    assert_close(scores, ref, dtype)
+    assert torch.all(scores.cpu()[dlen.cpu() == 0] == 0)
+    if argmax:
+        sims = torch.einsum("bid,bkjd->bkij", Q.double().cpu(), D.double().cpu())
+        sims = sims.masked_fill(~dmask[:, :, None, :], float("-inf"))
+        has = dmask.any(dim=2)[:, :, None] & qmask[:, None, :]
+        am = runs[1].cpu().long()
+        assert torch.all(am[~has] == -1)
+        got = torch.gather(sims, 3, am.clamp(min=0)[..., None])[..., 0]
+        best = sims.max(dim=3).values
+        assert torch.all(((got - best).abs() <= 1e-5 * best.abs().clamp_min(1.0))[has])
     bad = dlen.clone()
-    bad[2, 500] = -1
+    bad[2, K // 2] = -1
     fn = lambda: ms.score_candidates_padded(Q, D, qlen, bad, validate=False)  # noqa: E731
-    runs, pairs = _stream_modes(ms, fn, Q, D)
-    assert torch.equal(_bits(runs), _bits(pairs))
+    runs, pairs = _stream_modes(ms, fn, Q, D, family)
+    _same_bits(runs, pairs)
     nan = torch.zeros(B, K, dtype=torch.bool)
-    nan[2, 500] = True
+    nan[2, K // 2] = True
     assert torch.equal(torch.isnan(runs.cpu()), nan)
+
+
+def _runs_by_the_rule(ms, family, seed, lq, nd, ld, cand_ld, score_candidates):
+    """One query x nd documents of ld tokens, and 64 queries x 1000 own
+    candidates of up to cand_ld tokens (lengths 0 included), take `family`'s
+    runs by the planner's own rule, bitwise the one-pair scores (and argmax),
+    also replayed in a CUDA graph; 300-token documents take no runs."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    Q = torch.randn(1, lq, 128, device="cuda", generator=g).to(torch.bfloat16)
+    D = torch.randn(nd, ld, 128, device="cuda", generator=g).to(torch.bfloat16)
+    p = ms.explain(Q, D)
+    assert (p["family"], p["run"] >= 2) == (family, True), p
+    out = ms.maxsim(Q, D)
+    with ms.forcing(f"{family}_pair"):
+        _same_bits(out, ms.maxsim(Q, D))
+    assert_close(out, ms.maxsim_reference(Q, D), torch.bfloat16)
+    graph, graph_out = capture_cuda_graph(lambda: ms.maxsim(Q, D))
+    graph_out.fill_(float("nan"))
+    graph.replay()
+    _same_bits(graph_out, out)
+    p = ms.explain(Q, torch.empty(20000, 300, 128, dtype=torch.bfloat16, device="meta"))
+    assert p.get("run", 0) == 0, p
+    Qb = torch.randn(64, 32, 128, device="cuda", generator=g).to(torch.bfloat16)
+    Db = torch.randn(64, 1000, cand_ld, 128, device="cuda", generator=g).to(torch.bfloat16)
+    dlen = torch.randint(0, cand_ld + 1, (64, 1000), device="cuda", generator=g)
+    p = ms.explain(Qb, Db)
+    assert (p["family"], p["run"] >= 2) == (family, True), p
+    outb = score_candidates(Qb, Db, None, dlen)
+    with ms.forcing(f"{family}_pair"):
+        _same_bits(outb, score_candidates(Qb, Db, None, dlen))
+    ref = ms.maxsim_reference(Qb, Db, None, lengths_mask(dlen.reshape(-1), cand_ld).view(64, 1000, cand_ld))
+    assert_close(outb[0] if isinstance(outb, tuple) else outb, ref, torch.bfloat16)
 
 
 @CUDA_ONLY
 def test_stream_runs_by_the_rule(ms):
-    """Many short documents of one query, and per-query candidates, take runs
-    by the planner's own rule on the device, bitwise the one-pair scores;
-    long documents do not."""
-    g = torch.Generator(device="cuda").manual_seed(31)
-    Q = torch.randn(1, 32, 128, device="cuda", generator=g).to(torch.bfloat16)
-    D = torch.randn(60000, 8, 128, device="cuda", generator=g).to(torch.bfloat16)
-    p = ms.explain(Q, D)
-    assert (p["family"], p["run"] >= 2) == ("stream", True), p
-    out = ms.maxsim(Q, D)
-    with ms.forcing("stream_pair"):
-        assert torch.equal(_bits(out), _bits(ms.maxsim(Q, D)))
-    assert_close(out, ms.maxsim_reference(Q, D), torch.bfloat16)
-    # candidates: 64 queries x 1000 own documents x 24 tokens, with lengths
-    Qb = torch.randn(64, 32, 128, device="cuda", generator=g).to(torch.bfloat16)
-    Db = torch.randn(64, 1000, 24, 128, device="cuda", generator=g).to(torch.bfloat16)
-    dlen = torch.randint(0, 25, (64, 1000), device="cuda", generator=g)
-    p = ms.explain(Qb, Db)
-    assert (p["family"], p["run"] >= 2) == ("stream", True), p
-    outb = ms.score_candidates_padded(Qb, Db, None, dlen)
-    with ms.forcing("stream_pair"):
-        assert torch.equal(_bits(outb), _bits(ms.score_candidates_padded(Qb, Db, None, dlen)))
-    ref = ms.maxsim_reference(Qb, Db, None, lengths_mask(dlen.reshape(-1), 24).view(64, 1000, 24))
-    assert_close(outb, ref, torch.bfloat16)
-    p = ms.explain(Q, torch.empty(20000, 300, 128, dtype=torch.bfloat16, device="meta"))
-    assert p.get("run", 0) == 0, p
+    """The register stream's runs: 1 x 60000 documents of 8 tokens, candidates
+    of up to 24 (_runs_by_the_rule)."""
+    _runs_by_the_rule(ms, "stream", 31, 32, 60000, 8, 24, ms.score_candidates_padded)
 
 
 # ---- the staged wgmma stream's runs of pairs (forward_stream_wg.cuh) --------
@@ -375,142 +428,29 @@ SM90A = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_dev
                            reason="the staged wgmma stream needs an sm_90a GPU")
 
 
-def _wg_modes(ms, fn, Q, D):
-    """fn() under forced runs and forced single pairs of the staged wgmma
-    stream: (runs, pairs), after checking each mode is the plan for (Q, D)."""
-    with ms.forcing("stream_wg_run"):
-        p = ms.explain(Q, D)
-        assert p["family"] == "stream_wg" and p["run"] >= 1, p
-        runs = fn()
-    with ms.forcing("stream_wg_pair"):
-        p = ms.explain(Q, D)
-        assert p["family"] == "stream_wg" and p["run"] == 0, p
-        pairs = fn()
-    return runs, pairs
-
-
-def _same_bits(a, b):
-    """Scores (and argmax) equal bit for bit."""
-    a, b = (a if isinstance(a, tuple) else (a,)), (b if isinstance(b, tuple) else (b,))
-    for x, y in zip(a, b):
-        assert torch.equal(_bits(x) if x.is_floating_point() else x, _bits(y) if y.is_floating_point() else y)
-
-
 @SM90A
 @pytest.mark.parametrize("dtype", SHORT_DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("lq", [1, 17, 32, 33, 128])
 @pytest.mark.parametrize("nd,ld", [(1, 64), (7, 1), (300, 64), (333, 65), (100, 130), (1500, 17), (40, 300)])
 def test_stream_wg_runs_one_query(ms, dtype, dim, lq, nd, ld):
-    """One query x nd documents: padded with token masks (holes, prefix
-    lengths including 0, fully masked documents) and a NaN token; ragged
-    with lengths including 0, with the argmax. Runs against fp64 (the
-    argmax attains the max), and bitwise against one pair per CTA."""
-    g = torch.Generator().manual_seed(7 * ld + nd + lq + dim)
-    Q = rand(1, lq, dim, dtype=dtype, gen=g).cuda()
-    qm = torch.rand(1, lq, generator=g) > 0.2
-    qm[0, 0] = True
-    D = rand(nd, ld, dim, dtype=dtype, gen=g)
-    dlen = torch.randint(0, ld + 1, (nd,), generator=g)
-    dm = lengths_mask(dlen, ld) & (torch.rand(nd, ld, generator=g) > 0.2)
-    dm[::5] = False  # fully masked documents score 0
-    bad = nd // 2
-    dm[bad, ld - 1] = True
-    D[bad, ld - 1, dim // 3] = float("nan")
-    D, dm, qm = D.cuda(), dm.cuda(), qm.cuda()
-    ref = ms.maxsim_reference(Q, D, qm, dm)
-    runs, pairs = _wg_modes(ms, lambda: ms.maxsim(Q, D, qm, dm), Q, D)
-    _same_bits(runs, pairs)
-    _check_against(runs, ref, dtype, [bad], ~dm.cpu().any(dim=1))
-    # ragged documents, lengths (0 included), with the argmax
-    dlens = torch.randint(0, ld + 1, (nd,), generator=g)
-    dlens[::7] = 0
-    dlens[bad] = ld
-    doff = torch.cat([torch.zeros(1, dtype=torch.long), dlens.cumsum(0)])
-    d = rand(int(doff[-1]), dim, dtype=dtype, gen=g)
-    Dp = torch.zeros(nd, ld, dim, dtype=dtype)
-    Dp[lengths_mask(dlens, ld)] = d
-    dmask = lengths_mask(dlens, ld)
-    ref2 = ms.maxsim_reference(Q.cpu(), Dp, None, dmask)
-    d, doff = d.cuda(), doff.cuda()
-    runs2, pairs2 = _wg_modes(ms, lambda: ms.score_contrastive_with_argmax(Q, d, doff), Q, Dp.to("meta"))
-    _same_bits(runs2, pairs2)
-    assert_close(runs2[0], ref2, dtype)
-    assert torch.all(runs2[0].cpu()[0, dlens == 0] == 0)
-    _check_argmax_cross(Q, Dp, dmask, torch.tensor([lq]), runs2[1])
+    """One query x nd documents of one to several stages, the staged wgmma
+    stream's runs against one pair per CTA, with the argmax
+    (_one_query_runs)."""
+    _one_query_runs(ms, "stream_wg", dtype, dim, lq, nd, ld, 7 * ld + nd + lq + dim, argmax=True)
 
 
 @SM90A
 @pytest.mark.parametrize("dtype", SHORT_DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("lq,ld", [(32, 64), (32, 150), (100, 70)])
 def test_stream_wg_runs_candidates(ms, dtype, lq, ld):
-    """Per-query candidates (GROUPED), B 3 x K 100 with query and document
-    lengths (0 included, one invalid length: NaN for that pair), with the
-    argmax: runs never cross a query's candidates (100 = 3 runs of 32 + 4)."""
-    g = torch.Generator().manual_seed(lq + ld)
-    B, K, dim = 3, 100, 128
-    Q = rand(B, lq, dim, dtype=dtype, gen=g).cuda()
-    D = rand(B, K, ld, dim, dtype=dtype, gen=g).cuda()
-    qlen = torch.randint(1, lq + 1, (B,), generator=g)
-    qlen[1] = 3
-    dlen = torch.randint(0, ld + 1, (B, K), generator=g)
-    dlen[:, :40:3] = 0
-    dlen[0, 31:33] = ld  # a full document on each side of a run boundary
-    qmask, dmask = lengths_mask(qlen, lq), lengths_mask(dlen.reshape(-1), ld).view(B, K, ld)
-    ref = ms.maxsim_reference(Q, D, qmask.cuda(), dmask.cuda())
-    qlen, dlen = qlen.cuda(), dlen.cuda()
-    fn = lambda: ms.score_candidates_padded_with_argmax(Q, D, qlen, dlen)  # noqa: E731
-    runs, pairs = _wg_modes(ms, fn, Q, D)
-    _same_bits(runs, pairs)
-    assert_close(runs[0], ref, dtype)
-    assert torch.all(runs[0].cpu()[dlen.cpu() == 0] == 0)
-    # the argmax attains each row's fp64 max; -1 where no token counts
-    sims = torch.einsum("bid,bkjd->bkij", Q.double().cpu(), D.double().cpu())
-    sims = sims.masked_fill(~dmask[:, :, None, :], float("-inf"))
-    has = dmask.any(dim=2)[:, :, None] & qmask[:, None, :]
-    am = runs[1].cpu().long()
-    assert torch.all(am[~has] == -1)
-    got = torch.gather(sims, 3, am.clamp(min=0)[..., None])[..., 0]
-    best = sims.max(dim=3).values
-    assert torch.all(((got - best).abs() <= 1e-5 * best.abs().clamp_min(1.0))[has])
-    bad = dlen.clone()
-    bad[2, 50] = -1
-    fn = lambda: ms.score_candidates_padded(Q, D, qlen, bad, validate=False)  # noqa: E731
-    runs, pairs = _wg_modes(ms, fn, Q, D)
-    _same_bits(runs, pairs)
-    nan = torch.zeros(B, K, dtype=torch.bool)
-    nan[2, 50] = True
-    assert torch.equal(torch.isnan(runs.cpu()), nan)
+    """The staged wgmma stream's runs over B 3 x K 100 candidates (100 = 3
+    runs of 32 + 4), with the argmax (_candidates_runs)."""
+    _candidates_runs(ms, "stream_wg", dtype, 100, lq, ld, 128, lq + ld, argmax=True)
 
 
 @SM90A
 def test_stream_wg_runs_by_the_rule(ms):
-    """One query's documents of one or two stages (64 query rows), and
-    candidates, take runs by the planner's own rule, bitwise the one-pair
-    scores; long documents do not; a CUDA graph replays them."""
-    g = torch.Generator(device="cuda").manual_seed(37)
-    Q = torch.randn(1, 64, 128, device="cuda", generator=g).to(torch.bfloat16)
-    D = torch.randn(20000, 64, 128, device="cuda", generator=g).to(torch.bfloat16)
-    p = ms.explain(Q, D)
-    assert (p["family"], p["run"] >= 2) == ("stream_wg", True), p
-    out = ms.maxsim(Q, D)
-    with ms.forcing("stream_wg_pair"):
-        _same_bits(out, ms.maxsim(Q, D))
-    assert_close(out, ms.maxsim_reference(Q, D), torch.bfloat16)
-    graph, graph_out = capture_cuda_graph(lambda: ms.maxsim(Q, D))
-    graph_out.fill_(float("nan"))
-    graph.replay()
-    _same_bits(graph_out, out)
-    p = ms.explain(Q, torch.empty(20000, 300, 128, dtype=torch.bfloat16, device="meta"))
-    assert (p["family"], p["run"]) == ("stream_wg", 0), p
-    # candidates: 64 queries x 1000 own documents x 64 tokens, with lengths
-    Qb = torch.randn(64, 32, 128, device="cuda", generator=g).to(torch.bfloat16)
-    Db = torch.randn(64, 1000, 64, 128, device="cuda", generator=g).to(torch.bfloat16)
-    dlen = torch.randint(0, 65, (64, 1000), device="cuda", generator=g)
-    p = ms.explain(Qb, Db)
-    assert (p["family"], p["run"] >= 2) == ("stream_wg", True), p
-    outb = ms.score_candidates_padded_with_argmax(Qb, Db, None, dlen)
-    with ms.forcing("stream_wg_pair"):
-        _same_bits(outb, ms.score_candidates_padded_with_argmax(Qb, Db, None, dlen))
-    ref = ms.maxsim_reference(Qb, Db, None, lengths_mask(dlen.reshape(-1), 64).view(64, 1000, 64))
-    assert_close(outb[0], ref, torch.bfloat16)
+    """The staged wgmma stream's runs: 1 query of 64 rows x 20000 documents of
+    64 tokens, candidates of up to 64 with the argmax (_runs_by_the_rule)."""
+    _runs_by_the_rule(ms, "stream_wg", 37, 64, 20000, 64, 64, ms.score_candidates_padded_with_argmax)
