@@ -378,24 +378,40 @@ inline int64_t gsz_of(const Request& r) {
   return r.layout == kGrouped ? std::max<int64_t>(1, r.Nq > 0 ? r.Nd / r.Nq : 1) : std::max<int64_t>(r.P, 1);
 }
 
+// Runs of pairs sharing a query in whole waves of `slots` resident runs:
+// the fewest waves (>= 2, so ragged runs even out; a last wave of a few
+// runs would walk a whole run alone) that keep runs <= run_max, then the
+// shortest runs that fill them, capped at the group (a query's candidates);
+// forced: the longest. run 0 where the rule gives runs of one pair.
+struct Runs {
+  int64_t run = 0, rpg = 0, count = 0;  // pairs a run, runs a group, runs in all
+};
+inline Runs whole_wave_runs(const Request& r, int64_t slots, int64_t run_max, bool forced) {
+  const int64_t gsz = gsz_of(r), groups = (r.P + gsz - 1) / gsz;
+  const int64_t waves = std::max<int64_t>(2, (r.P + slots * run_max - 1) / (slots * run_max));
+  const int64_t rpg_fit = std::max<int64_t>(1, waves * slots / groups);
+  int64_t run = forced ? run_max : (gsz + rpg_fit - 1) / rpg_fit;
+  run = std::max<int64_t>(1, std::min<int64_t>({run, run_max, gsz}));
+  if (!forced && run < 2) return {};
+  const int64_t rpg = (gsz + run - 1) / run;
+  return {run, rpg, groups * rpg};
+}
+
 // The staged wgmma stream's runs of pairs (one CTA a run of consecutive
 // pairs sharing the query: CROSS with one query, GROUPED candidates): for
-// documents of up to two stages and >= 4 waves of pairs, runs that give
-// whole waves (>= 2) of CTAs, capped at kStreamWgRunMax and the group.
-// Forced (force_run 1 with the family forced): the longest runs; -1: none.
-inline void plan_stream_wg_runs(StreamWgPlan& w, const Request& r, int64_t mean_ld, int64_t wave) {
+// documents of up to two stages and >= 4 waves of pairs, whole waves of
+// runs of at most kStreamWgRunMax. Forced (force_run 1 with the family
+// forced): the longest runs; -1: none. Returns the grid (runs, else pairs).
+inline int64_t plan_stream_wg_runs(StreamWgPlan& w, const Request& r, int64_t mean_ld, int64_t wave) {
   const bool layout_ok = (r.layout == kCross && r.Nq == 1) || r.layout == kGrouped;
-  if (!layout_ok || r.force_run < 0 || r.P > std::numeric_limits<int32_t>::max()) return;
+  if (!layout_ok || r.force_run < 0 || r.P > std::numeric_limits<int32_t>::max()) return r.P;
   const bool forced = r.force == Family::kStreamWg && r.force_run > 0;
-  if (!forced && (mean_ld > kStreamWgRunMaxMeanLd || r.P < 4 * wave)) return;
-  const int64_t gsz = gsz_of(r), groups = (r.P + gsz - 1) / gsz;
-  const int64_t waves = std::max<int64_t>(2, (r.P + wave * kStreamWgRunMax - 1) / (wave * kStreamWgRunMax));
-  const int64_t rpg_fit = std::max<int64_t>(1, waves * wave / groups);
-  int64_t run = forced ? kStreamWgRunMax : (gsz + rpg_fit - 1) / rpg_fit;
-  run = std::max<int64_t>(1, std::min<int64_t>({run, (int64_t)kStreamWgRunMax, gsz}));
-  if (!forced && run < 2) return;
-  w.run = (int)run;
-  w.rpg = (gsz + run - 1) / run;
+  if (!forced && (mean_ld > kStreamWgRunMaxMeanLd || r.P < 4 * wave)) return r.P;
+  const Runs runs = whole_wave_runs(r, wave, kStreamWgRunMax, forced);
+  if (runs.run == 0) return r.P;
+  w.run = (int)runs.run;
+  w.rpg = runs.rpg;
+  return runs.count;
 }
 
 // The staged wgmma stream for 128 / 256-byte rows (rb), when forced or when
@@ -410,9 +426,8 @@ inline bool plan_stream_wg(Plan& pl, const Request& r, const DeviceFacts& dev, i
   if (!forced && !stream_wg_wins(r, mean_ld, wave, ks, nq, dev.sm_count)) return false;
   pl.family = Family::kStreamWg;
   pl.stream_wg = StreamWgPlan{ks, nq, kStreamWgStages};
-  plan_stream_wg_runs(pl.stream_wg, r, mean_ld, wave);
+  pl.grid = plan_stream_wg_runs(pl.stream_wg, r, mean_ld, wave);
   const int64_t run = std::max(pl.stream_wg.run, 1);
-  pl.grid = pl.stream_wg.run > 0 ? (r.P + gsz_of(r) - 1) / gsz_of(r) * pl.stream_wg.rpg : r.P;
   pl.multiwave = pl.grid > wave;
   const int64_t prefix =
       pl.grid >= 12 * wave ? stream_plain_prefix(dev, run * mean_ld * r.dim * elem_size(r.dtype)) : 0;
@@ -433,10 +448,8 @@ inline bool stream_run_ok(const Request& r, const StreamPlan& s) {
 // query (8 KB at 32 rows of 256 bytes, from L2) per document of 2 KB (8
 // tokens) and starts each pair on a chain of dependent loads; a run loads
 // the query once and keeps its steps in flight across documents. Taken
-// from 4 pairs per resident warp slot (fewer: one pair per warp, splits);
-// the run length gives whole waves of runs (>= 2, so ragged runs even out;
-// a last wave of a few CTAs would run a whole run's chain of loads alone),
-// capped at kStreamRunMax and at the group (a query's candidates). Forced
+// from 4 pairs per resident warp slot (fewer: one pair per warp, splits),
+// in whole waves of runs of at most kStreamRunMax (whole_wave_runs). Forced
 // (force_run 1): the longest runs. false leaves the plan untouched.
 inline bool plan_stream_runs(Plan& pl, const Request& r, const DeviceFacts& dev, int64_t mean_ld) {
   StreamPlan& s = pl.stream;
@@ -450,19 +463,12 @@ inline bool plan_stream_runs(Plan& pl, const Request& r, const DeviceFacts& dev,
   k.run = true;
   const int per_sm = std::max(blocks(dev, k), 1);
   const int64_t slots = (int64_t)per_sm * kStreamWarps * dev.sm_count;
-  const int64_t gsz = gsz_of(r);
-  const int64_t groups = (r.P + gsz - 1) / gsz;
-  if (!forced && (r.P < 4 * slots || gsz < 2)) return false;
-  // Whole waves of runs: the fewest (>= 2) that keep runs <= kStreamRunMax,
-  // then the shortest runs that fit them, so the last wave is about full.
-  const int64_t waves = std::max<int64_t>(2, (r.P + slots * kStreamRunMax - 1) / (slots * kStreamRunMax));
-  const int64_t rpg_fit = std::max<int64_t>(1, waves * slots / groups);
-  int64_t run = forced ? kStreamRunMax : (gsz + rpg_fit - 1) / rpg_fit;
-  run = std::max<int64_t>(1, std::min<int64_t>({run, kStreamRunMax, gsz}));
-  if (!forced && run < 2) return false;
+  if (!forced && (r.P < 4 * slots || gsz_of(r) < 2)) return false;
+  const Runs w = whole_wave_runs(r, slots, kStreamRunMax, forced);
+  if (w.run == 0) return false;
+  const int64_t run = w.run, runs = w.count;
   s.run = (int)run;
-  s.rpg = (gsz + run - 1) / run;
-  const int64_t runs = groups * s.rpg;
+  s.rpg = w.rpg;
   s.warps = kStreamWarps;
   s.split = 1;
   s.tail = 0;
