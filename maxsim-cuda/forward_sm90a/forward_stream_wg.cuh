@@ -1,22 +1,21 @@
 // Staged wgmma forward (sm_90a): one query of up to 128 rows against many
 // documents of 16-bit tokens, rows of 128 or 256 bytes (dim 64 / 128). The
 // memory-bound sibling of forward_stream.cuh: one pair, or a run of pairs
-// sharing the query, per CTA of one warpgroup; the document streams through NST shared-memory stages of 64
-// tokens, each filled by the CTA's threads with 16-byte cp.async copies
-// (zero-filled past the document) into the 128B-swizzled K-major layout
-// wgmma reads; the query rows are staged once the same way. Each stage is
-// one chain of wgmma m64nNk16 (A = 64 document tokens, B = N query rows,
-// both from shared memory), so no register holds a fragment of either
-// operand and the document bytes in flight are bounded by shared memory
-// only. A thread folds its two tokens of a stage (rows g and g + 8 of its
-// warp's 16) into running per-column maxima (NaN-propagating max, masked /
-// out-of-range tokens -inf), reduced over the warp's and then the CTA's
-// tokens at the document's end; the score is the sum over query rows in the order of
-// the mma.sync stream's epilogue. ARG also keeps each column's argmax (a
-// thread visits its tokens in increasing order; partial states merge under
-// merge_arg's total order, as 64-bit keys), the training forward of
-// per-query candidates.
-// No normalize, no 8-bit tokens.
+// sharing the query, per CTA of one warpgroup; the document streams through
+// NST shared-memory stages of 64 tokens, each filled by the CTA's threads
+// with 16-byte cp.async copies (zero-filled past the document) into the
+// 128B-swizzled K-major layout wgmma reads; the query rows are staged once
+// the same way. Each stage is one chain of wgmma m64nNk16 (A = 64 document
+// tokens, B = N query rows, both from shared memory), so no register holds a
+// fragment of either operand and the document bytes in flight are bounded by
+// shared memory only. A thread folds its two tokens of a stage (rows g and
+// g + 8 of its warp's 16) into running per-column maxima (NaN-propagating max,
+// masked / out-of-range tokens -inf), reduced over the warp's and then the
+// CTA's tokens at the document's end; the score is the sum over query rows in
+// the order of the mma.sync stream's epilogue. ARG also keeps each column's
+// argmax (a thread visits its tokens in increasing order; partial states
+// merge under merge_arg's total order, as 64-bit keys), the training forward
+// of per-query candidates. No normalize, no 8-bit tokens.
 #pragma once
 
 #include "../common/common.cuh"
@@ -121,7 +120,8 @@ using plan::stream_wg_smem;
 // max(1, ceil(l / 64)): an empty or invalid one takes a stage that loads
 // nothing), NST - 1 in flight across document boundaries. Lane i of every
 // warp holds the run's i-th document segment (start, length; -1 for an
-// invalid pair), which the load and score cursors take by shuffles. A
+// invalid pair), which the load and score cursors take by shuffles (a
+// single pair's own segment is in every lane: no shuffles). A
 // document's per-warp maxima go to one of two reduction buffers, summed by
 // warp 0 after the next stage's barrier, so a document costs no barrier of
 // its own. Every pair is scored as in a run of one: the same bits.
