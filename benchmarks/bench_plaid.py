@@ -6,8 +6,7 @@ Rows (``workload``, ``impl``, ``ms``, and per row ``floor_ms`` / recall / bytes)
 - rerank-<docs>-<nbits>b: 1 query x docs of 300 tokens, decompress + MaxSim
   (flat cu_seqlens layout; the peer's padded one too);
 - approx-<docs>: PLAID's centroid scores over docs of 300 tokens (maxsim-fp16-table:
-  the same scan of an fp16 copy of the table; maxsim-int8-table: of the int8
-  copy PlaidIndex.search scans, ``plaid.quantize_score_table``);
+  the same scan of the fp16 table PlaidIndex.search scans);
 - search-<docs>[-ld<tokens>]-<nbits>b: top-100 search on a plaid corpus vs
   exact bf16 search (latency of one query; recall@10 / @100 over 64 queries;
   bytes per token) on a planted corpus (:func:`planted`: topics, words,
@@ -145,12 +144,9 @@ def bench_approx(ms, lik, rows, dev, run, n, bw_gbs):
     wl = f"approx-{n}"
     floor = round(codes.numel() * 4 / bw_gbs / 1e6, 4) if bw_gbs else None
     try_row(rows, wl, "maxsim", lambda: ms.plaid.approx_scores(qcs, codes, cu_seqlens=cu), run, floor_ms=floor)
-    half = qcs.half()
+    half = qcs.half()  # the table PlaidIndex.search scans
     try_row(rows, wl, "maxsim-fp16-table", lambda: ms.plaid.approx_scores(half, codes, cu_seqlens=cu), run,
             floor_ms=floor)
-    q8, scale = ms.plaid.quantize_score_table(qcs)
-    try_row(rows, wl, "maxsim-int8-table", lambda: ms.plaid.approx_scores(q8, codes, cu_seqlens=cu, scale=scale),
-            run, floor_ms=floor)
     if lik is not None:
         from late_interaction_kernels import plaid as lp
 

@@ -47,18 +47,15 @@ struct Decoder {
 }  // namespace
 
 at::Tensor plaid_approx_cpu(const at::Tensor& qcs_in, const at::Tensor& codes_in, const at::Tensor& d_start_in,
-                            const at::Tensor& d_len_in, const std::optional<at::Tensor>& keep_in,
-                            const std::optional<at::Tensor>& scale_in) {
+                            const at::Tensor& d_len_in, const std::optional<at::Tensor>& keep_in) {
   TORCH_CHECK(qcs_in.device().is_cpu(), "maxsim: plaid_approx_cpu takes CPU tensors");
-  plaid::check_score_table(qcs_in, scale_in);
+  plaid::check_score_table(qcs_in);
   TORCH_CHECK(codes_in.dim() == 1 && codes_in.scalar_type() == at::kInt && codes_in.device().is_cpu(),
               "maxsim: plaid_approx codes must be int32 [T]");
   plaid::check_segments(d_start_in, d_len_in, qcs_in.device());
   plaid::check_keep(keep_in, qcs_in);
-  // 16-bit and int8 tables widen exactly: maxima and fp32 sums as on the GPU.
+  // 16-bit tables widen exactly: maxima and fp32 sums as on the GPU.
   const at::Tensor qcs = qcs_in.to(at::kFloat).contiguous(), codes = codes_in.contiguous();
-  const at::Tensor scale = scale_in ? scale_in->contiguous() : at::Tensor();
-  const float* scp = scale_in ? scale.data_ptr<float>() : nullptr;
   const at::Tensor st = d_start_in.contiguous(), ln = d_len_in.contiguous();
   const int64_t nq = qcs.size(0), C = qcs.size(1), lq = qcs.size(2), nd = st.size(0), T = codes.size(0);
   const at::Tensor keep = keep_in ? keep_in->contiguous() : at::Tensor();
@@ -88,7 +85,7 @@ at::Tensor plaid_approx_cpu(const at::Tensor& qcs_in, const at::Tensor& codes_in
         for (int64_t s = 0; s < lq; ++s) m[s] = std::max(m[s], row[s]);
       }
       float acc = 0.f;
-      for (int64_t s = 0; s < lq; ++s) acc += any ? (scp ? m[s] * scp[i * lq + s] : m[s]) : 0.f;
+      for (int64_t s = 0; s < lq; ++s) acc += any ? m[s] : 0.f;
       op[p] = acc;
     }
   });

@@ -19,19 +19,11 @@ inline void check_segments(const at::Tensor& d_start, const at::Tensor& d_len, c
               "maxsim: plaid d_start / d_len must be int32 [Nd] on the codes' device");
 }
 
-// plaid_approx's score table: fp32, fp16 or bf16 [Nq, C, Lq]; or int8 with
-// its columns' scales, fp32 [Nq, Lq] on qcs' device (float tables take none).
-inline void check_score_table(const at::Tensor& qcs, const std::optional<at::Tensor>& scale) {
+// plaid_approx's score table: fp32, fp16 or bf16 [Nq, C, Lq].
+inline void check_score_table(const at::Tensor& qcs) {
   const at::ScalarType t = qcs.scalar_type();
-  TORCH_CHECK(qcs.dim() == 3 && (t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kChar),
-              "maxsim: plaid_approx qcs must be float32, float16, bfloat16 or int8 [Nq, C, Lq]");
-  if (t != at::kChar) {
-    TORCH_CHECK(!scale.has_value(), "maxsim: plaid_approx takes a scale with an int8 table only");
-    return;
-  }
-  TORCH_CHECK(scale.has_value() && scale->scalar_type() == at::kFloat && scale->dim() == 2 &&
-                  scale->size(0) == qcs.size(0) && scale->size(1) == qcs.size(2) && scale->device() == qcs.device(),
-              "maxsim: plaid_approx's int8 table needs its scale, float32 [Nq, Lq] on qcs' device");
+  TORCH_CHECK(qcs.dim() == 3 && (t == at::kFloat || t == at::kHalf || t == at::kBFloat16),
+              "maxsim: plaid_approx qcs must be float32, float16 or bfloat16 [Nq, C, Lq]");
 }
 
 // plaid_approx's centroid mask: uint8 [Nq, C] on qcs' device.

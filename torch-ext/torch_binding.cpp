@@ -37,9 +37,7 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
       "bool need_dd, bool normalize=False) -> (Tensor dq, Tensor dd)");
   ops.def("segments(Tensor[] offsets, int[] totals, int[] max_lens, Tensor[] ints, int[] lo, int[] hi) -> Tensor[]");
   ops.def("uniform_segments(Tensor like, int n, int extent) -> (Tensor start, Tensor len)");
-  ops.def(
-      "plaid_approx(Tensor qcs, Tensor codes, Tensor d_start, Tensor d_len, Tensor? keep=None, Tensor? scale=None) "
-      "-> Tensor");
+  ops.def("plaid_approx(Tensor qcs, Tensor codes, Tensor d_start, Tensor d_len, Tensor? keep=None) -> Tensor");
   ops.def(
       "plaid_forward(Tensor q, Tensor codes, Tensor residuals, Tensor centroids, Tensor bucket_weights, "
       "Tensor d_start, Tensor d_len, Tensor? pair_q, int nbits, bool normalize, bool argmax) -> (Tensor scores, "

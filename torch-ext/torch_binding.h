@@ -198,11 +198,8 @@ using UniformSegmentsFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor& l
 // empty document scores 0. With keep (uint8
 // [Nq, C], PLAID's centroid pruning) only the tokens whose centroid query i
 // keeps (non-zero) count, and a query token no kept token reaches adds 0.
-// An int8 qcs comes with scale (fp32 [Nq, Lq], positive): the table scores
-// qcs[i, c, s] * scale[i, s] (each column's integer maximum times its scale).
 using PlaidApproxFn = at::Tensor(const at::Tensor& qcs, const at::Tensor& codes, const at::Tensor& d_start,
-                                 const at::Tensor& d_len, const std::optional<at::Tensor>& keep,
-                                 const std::optional<at::Tensor>& scale);
+                                 const at::Tensor& d_len, const std::optional<at::Tensor>& keep);
 // plaid_forward: q [Nq, Lq, d] fp32 -> (scores, argmax): MaxSim of query
 // pair_q[n] (int32 [Nd]; absent: every query, scores [Nq, Nd]) against the
 // decompressed tokens of document n, each token divided by max(|x|, 1e-12)

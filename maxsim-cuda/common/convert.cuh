@@ -1,8 +1,6 @@
 // fp32 <-> token dtype conversions shared by the CUDA kernels.
 #pragma once
 
-#include <cstdint>
-
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -22,10 +20,6 @@ __device__ __forceinline__ float to_f<__half>(__half x) {
 template <>
 __device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 x) {
   return __bfloat162float(x);
-}
-template <>
-__device__ __forceinline__ float to_f<int8_t>(int8_t x) {
-  return (float)x;
 }
 
 template <class T>

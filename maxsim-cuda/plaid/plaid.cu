@@ -237,7 +237,7 @@ __global__ void __launch_bounds__(kThreads, 4) plaid_forward_kernel(
 // fewer warps for the registers).
 constexpr int kApproxBatch = 4;
 
-// One score of a T table (fp32 / fp16 / bf16 / int8) as fp32, exactly.
+// One score of a T table (fp32 / fp16 / bf16) as fp32, exactly.
 template <typename T>
 __device__ __forceinline__ float load1(const T* p) {
   return cuda_cvt::to_f(__ldg(p));
@@ -246,7 +246,7 @@ __device__ __forceinline__ float load1(const T* p) {
 // The scan's gather geometry for a T table: a lane reads 16 bytes, kVec
 // query tokens, so a row of 32 query tokens takes kLanesPerRow lanes and
 // one warp load gathers kRowsPerLoad tokens' rows (4 for fp32, 8 for
-// 16-bit tables, 16 for int8 ones: a 32-token row is one 32-byte sector).
+// 16-bit tables, whose rows are half the bytes).
 template <typename T>
 struct ApproxGeometry {
   static constexpr int kVec = 16 / (int)sizeof(T);
@@ -270,91 +270,17 @@ __device__ __forceinline__ void load_scores(const T* p, int64_t avail, float (&v
   }
 }
 
-// A lane's running maxima of its kVec query tokens' scores, widened to fp32
-// as they load.
-template <typename T, bool VEC>
-struct ColumnMax {
-  static constexpr int kVec = ApproxGeometry<T>::kVec;
-  struct Row {
-    float v[kVec];
-  };
-  float m[kVec];
-
-  __device__ __forceinline__ void init() {
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) m[k] = -INFINITY;
-  }
-  __device__ __forceinline__ static void none(Row& r) {
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) r.v[k] = -INFINITY;
-  }
-  __device__ __forceinline__ static void load(Row& r, const T* p, int64_t avail) { load_scores<T, VEC>(p, avail, r.v); }
-  __device__ __forceinline__ void fold(const Row& r) {
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) m[k] = fmaxf(m[k], r.v[k]);
-  }
-  // Merged with the lanes `from`, 2 `from`, ... apart (the other row slots).
-  __device__ __forceinline__ void merge_lanes(int from) {
-#pragma unroll
-    for (int k = 0; k < kVec; ++k)
-#pragma unroll
-      for (int o = from; o < 32; o <<= 1) m[k] = fmaxf(m[k], __shfl_xor_sync(0xffffffffu, m[k], o));
-  }
-  __device__ __forceinline__ float get(int k) const { return m[k]; }
-};
-
-// An int8 table's 16-byte row segments fold as they load, by byte-wise
-// signed maxima (__vmaxs4, four scores an instruction: a conversion per
-// score would cost more issue slots than the gather), widened at the end.
-template <>
-struct ColumnMax<int8_t, true> {
-  static constexpr int kVec = 16;
-  static constexpr uint32_t kLowest = 0x80808080u;  // -128 in every byte: no int8 exceeds its maximum
-  struct Row {
-    uint32_t w[4];
-  };
-  uint32_t w[4];
-
-  __device__ __forceinline__ void init() {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) w[i] = kLowest;
-  }
-  __device__ __forceinline__ static void none(Row& r) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) r.w[i] = kLowest;
-  }
-  __device__ __forceinline__ static void load(Row& r, const int8_t* p, int64_t) {
-    const uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
-    r.w[0] = u.x, r.w[1] = u.y, r.w[2] = u.z, r.w[3] = u.w;
-  }
-  __device__ __forceinline__ void fold(const Row& r) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) w[i] = __vmaxs4(w[i], r.w[i]);
-  }
-  __device__ __forceinline__ void merge_lanes(int from) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-      for (int o = from; o < 32; o <<= 1) w[i] = __vmaxs4(w[i], __shfl_xor_sync(0xffffffffu, w[i], o));
-  }
-  __device__ __forceinline__ float get(int k) const { return (float)(int8_t)(w[k >> 2] >> (8 * (k & 3))); }
-};
-
 // One warp per pair. Without a centroid mask a warp gathers kRowsPerLoad
 // tokens' score rows per load: lane = kLanesPerRow r + g reads query tokens
 // kVec g .. kVec g + kVec - 1 of token slot r's row (VEC: Lq % kVec == 0
 // and the table 16-byte aligned); the slots' maxima are merged at the end.
 // Maxima of the widened scores are the widened maxima, and sums stay fp32.
-// An int8 table's column maxima are multiplied by their column's scale
-// (positive: the maximum of the scaled scores) before the sum.
 template <typename T, bool VEC>
-__global__ void plaid_approx_kernel(const T* __restrict__ qcs, const float* __restrict__ scale,
-                                    const int32_t* __restrict__ codes, const int32_t* __restrict__ d_start,
-                                    const int32_t* __restrict__ d_len, const uint8_t* __restrict__ keep,
-                                    int64_t n_centroids, int64_t lq, int64_t nd, int64_t pairs, int64_t tokens,
-                                    float* __restrict__ out) {
+__global__ void plaid_approx_kernel(const T* __restrict__ qcs, const int32_t* __restrict__ codes,
+                                    const int32_t* __restrict__ d_start, const int32_t* __restrict__ d_len,
+                                    const uint8_t* __restrict__ keep, int64_t n_centroids, int64_t lq, int64_t nd,
+                                    int64_t pairs, int64_t tokens, float* __restrict__ out) {
   using G = ApproxGeometry<T>;
-  constexpr bool kScaled = std::is_same_v<T, int8_t>;
   const int lane = threadIdx.x & 31;
   const int64_t p = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (p >= pairs) return;
@@ -366,12 +292,6 @@ __global__ void plaid_approx_kernel(const T* __restrict__ qcs, const float* __re
     return;
   }
   const T* qi = qcs + i * n_centroids * lq;
-  const float* si = kScaled ? scale + i * lq : nullptr;
-  // Column s's maximum m as it enters the sum.
-  const auto scaled = [&](float m, int64_t s) {
-    if constexpr (kScaled) return m * si[s];
-    return m;
-  };
   const uint8_t* ki = keep ? keep + i * n_centroids : nullptr;
   float score = 0.f;
   for (int64_t s0 = 0; s0 < lq; s0 += 32) {
@@ -395,35 +315,40 @@ __global__ void plaid_approx_kernel(const T* __restrict__ qcs, const float* __re
           if (valid) m = fmaxf(m, load1(qi + c * lq + s));
         }
       }
-      score += warp_sum(valid && any ? scaled(m, s) : 0.f);
+      score += warp_sum(valid && any ? m : 0.f);
       continue;
     }
     const int r = lane / G::kLanesPerRow;
     const int64_t sb = s0 + G::kVec * (lane % G::kLanesPerRow);
-    using Acc = ColumnMax<T, VEC>;
-    Acc mx;
-    mx.init();
+    float mx[G::kVec];
+#pragma unroll
+    for (int k = 0; k < G::kVec; ++k) mx[k] = -INFINITY;
     for (int64_t t0 = 0; t0 < len; t0 += 32) {
       const int cnt = len - t0 < 32 ? (int)(len - t0) : 32;
       const int32_t mine = lane < cnt ? plaid::clamp_code(codes[start + t0 + lane], n_centroids) : 0;
       for (int j = 0; j < cnt; j += G::kRowsPerLoad * kApproxBatch) {
-        typename Acc::Row v[kApproxBatch];
+        float v[kApproxBatch][G::kVec];
 #pragma unroll
         for (int u = 0; u < kApproxBatch; ++u) {
           const int tt = j + G::kRowsPerLoad * u + r;
           const int32_t c = __shfl_sync(0xffffffffu, mine, tt & 31);
-          Acc::none(v[u]);
-          if (tt < cnt && sb < lq) Acc::load(v[u], qi + (int64_t)c * lq + sb, lq - sb);
+#pragma unroll
+          for (int k = 0; k < G::kVec; ++k) v[u][k] = -INFINITY;
+          if (tt < cnt && sb < lq) load_scores<T, VEC>(qi + (int64_t)c * lq + sb, lq - sb, v[u]);
         }
 #pragma unroll
-        for (int u = 0; u < kApproxBatch; ++u) mx.fold(v[u]);
+        for (int u = 0; u < kApproxBatch; ++u)
+#pragma unroll
+          for (int k = 0; k < G::kVec; ++k) mx[k] = fmaxf(mx[k], v[u][k]);
       }
     }
-    mx.merge_lanes(G::kLanesPerRow);
     float part = 0.f;
 #pragma unroll
-    for (int k = 0; k < G::kVec; ++k)
-      if (r == 0 && len > 0 && sb + k < lq) part += scaled(mx.get(k), sb + k);
+    for (int k = 0; k < G::kVec; ++k) {
+#pragma unroll
+      for (int o = G::kLanesPerRow; o < 32; o <<= 1) mx[k] = fmaxf(mx[k], __shfl_xor_sync(0xffffffffu, mx[k], o));
+      if (r == 0 && len > 0 && sb + k < lq) part += mx[k];
+    }
     score += warp_sum(part);
   }
   if (lane == 0) out[p] = score;
@@ -486,10 +411,9 @@ Codec codec_of(const at::Tensor& codes, const at::Tensor& res, const at::Tensor&
 }  // namespace
 
 at::Tensor plaid_approx_cuda(const at::Tensor& qcs_in, const at::Tensor& codes_in, const at::Tensor& st_in,
-                             const at::Tensor& ln_in, const std::optional<at::Tensor>& keep_in,
-                             const std::optional<at::Tensor>& scale_in) {
+                             const at::Tensor& ln_in, const std::optional<at::Tensor>& keep_in) {
   TORCH_CHECK(qcs_in.is_cuda(), "maxsim: plaid_approx_cuda takes CUDA tensors");
-  plaid::check_score_table(qcs_in, scale_in);
+  plaid::check_score_table(qcs_in);
   TORCH_CHECK(codes_in.dim() == 1 && codes_in.scalar_type() == at::kInt && codes_in.device() == qcs_in.device(),
               "maxsim: plaid_approx codes must be int32 [T] on qcs' device");
   plaid::check_segments(st_in, ln_in, qcs_in.device());
@@ -497,7 +421,6 @@ at::Tensor plaid_approx_cuda(const at::Tensor& qcs_in, const at::Tensor& codes_i
   c10::cuda::CUDAGuard guard(qcs_in.device());
   const at::Tensor qcs = qcs_in.contiguous(), codes = codes_in.contiguous();
   const at::Tensor keep = keep_in ? keep_in->contiguous() : at::Tensor();
-  const at::Tensor scale = scale_in ? scale_in->contiguous() : at::Tensor();
   const at::Tensor st = st_in.contiguous(), ln = ln_in.contiguous();
   const int64_t nq = qcs.size(0), nd = st.size(0), pairs = nq * nd;
   at::Tensor out = at::empty({nq, nd}, qcs.options().dtype(at::kFloat));
@@ -506,20 +429,16 @@ at::Tensor plaid_approx_cuda(const at::Tensor& qcs_in, const at::Tensor& codes_i
   const unsigned blocks = (unsigned)((pairs + per_block - 1) / per_block);
   const int64_t n_centroids = qcs.size(1), lq = qcs.size(2), tokens = codes.size(0);
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const auto launch = [&](auto t) {
+  dispatch_float_type(qcs.scalar_type(), [&](auto t) {
     using T = decltype(t);
     const bool vec = lq % ApproxGeometry<T>::kVec == 0 && aligned_to(qcs.data_ptr(), 16);
     const auto kernel = vec ? plaid_approx_kernel<T, true> : plaid_approx_kernel<T, false>;
     kernel<<<blocks, threads, 0, stream>>>(
-        static_cast<const T*>(qcs.data_ptr()), scale_in ? scale.data_ptr<float>() : nullptr,
-        codes.data_ptr<int32_t>(), st.data_ptr<int32_t>(), ln.data_ptr<int32_t>(),
-        keep_in ? keep.data_ptr<uint8_t>() : nullptr, n_centroids, lq, nd, pairs, tokens, out.data_ptr<float>());
+        static_cast<const T*>(qcs.data_ptr()), codes.data_ptr<int32_t>(), st.data_ptr<int32_t>(),
+        ln.data_ptr<int32_t>(), keep_in ? keep.data_ptr<uint8_t>() : nullptr, n_centroids, lq, nd, pairs, tokens,
+        out.data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-  };
-  if (qcs.scalar_type() == at::kChar)
-    launch(int8_t{});
-  else
-    dispatch_float_type(qcs.scalar_type(), launch);
+  });
   return out;
 }
 

@@ -47,7 +47,6 @@ __all__ = [
     "maxsim_residual_varlen",
     "pack",
     "packed_bytes",
-    "quantize_score_table",
     "unpack",
 ]
 
@@ -167,7 +166,7 @@ def compress(x: Tensor, centroids: Tensor, bucket_cutoffs: Tensor, nbits: int) -
 # -- op plumbing: fake kernels, references for devices without a kernel --------
 
 @meta_kernel(PLAID_APPROX)
-def _approx_fake(qcs, codes, d_start, d_len, keep=None, scale=None):
+def _approx_fake(qcs, codes, d_start, d_len, keep=None):
     return qcs.new_empty((qcs.shape[0], d_start.shape[0]), dtype=torch.float32)
 
 
@@ -196,8 +195,8 @@ def _padded_tokens(values: Tensor, d_start: Tensor, d_len: Tensor, fill) -> tupl
     return values[rows.clamp(0, values.shape[0] - 1)], valid
 
 
-def _reference_approx(qcs, codes, d_start, d_len, keep=None, scale=None):
-    if qcs.dtype in (torch.float16, torch.bfloat16, torch.int8):
+def _reference_approx(qcs, codes, d_start, d_len, keep=None):
+    if qcs.dtype in (torch.float16, torch.bfloat16):
         qcs = qcs.float()  # exact; the sums in fp32 as the kernels do
     nq, C, _ = qcs.shape
     c = codes.long()
@@ -208,8 +207,6 @@ def _reference_approx(qcs, codes, d_start, d_len, keep=None, scale=None):
     if keep is not None and C:
         live = live & (keep[:, cc] != 0)  # [Nq, Nd, L]: tokens of kept centroids
     g = g.masked_fill(~live[..., None], float("-inf")).amax(2)
-    if scale is not None:
-        g = g * scale[:, None, :]
     return torch.where(live.any(2)[..., None], g, 0.0).sum(-1).float()
 
 
@@ -342,25 +339,8 @@ def maxsim_residual_varlen(Q: Tensor, codes: Tensor, residuals: Tensor, cu_seqle
                   nbits, normalize, True)
 
 
-def quantize_score_table(query_centroid_scores: Tensor) -> tuple[Tensor, Tensor]:
-    """An int8 copy of a ``[C, Lq]`` / ``[Nq, C, Lq]`` score table for
-    :func:`approx_scores`, and its scale (fp32 ``[Lq]`` / ``[Nq, Lq]``): each
-    (query, query token) column rounded to 127 steps of its largest
-    magnitude. A quarter of fp32's bytes (a 32-token row is one 32-byte
-    sector), with errors of at most half a step (0.4 % of the column's
-    largest magnitude), far below what scoring a token by its centroid
-    already drops. A column holding NaN gets a NaN scale: its scores stay
-    NaN."""
-    qcs = query_centroid_scores.float()
-    top = qcs.abs().amax(-2)
-    scale = torch.where(top == 0, torch.ones_like(top), top / 127)
-    table = torch.round(qcs / scale.unsqueeze(-2)).clamp_(-127, 127).to(torch.int8)
-    return table, scale
-
-
 def approx_scores(query_centroid_scores: Tensor, codes: Tensor, doc_lengths: Optional[Tensor] = None, *,
-                  cu_seqlens: Optional[Tensor] = None, keep: Optional[Tensor] = None,
-                  scale: Optional[Tensor] = None) -> Tensor:
+                  cu_seqlens: Optional[Tensor] = None, keep: Optional[Tensor] = None) -> Tensor:
     """PLAID's approximate scores: ``sum_s max_t qcs[codes[t], s]`` over each
     document's tokens. ``query_centroid_scores``: ``[C, Lq]`` (one query,
     e.g. ``centroids @ Q.T``) or ``[Nq, C, Lq]``; ``codes [Nd, L]`` with
@@ -370,18 +350,12 @@ def approx_scores(query_centroid_scores: Tensor, codes: Tensor, doc_lengths: Opt
     kept centroids count (the scan skips the others' score rows), and a
     query token that no kept token reaches adds 0. An fp16 / bf16 table is
     scanned as it is (half the bytes of fp32: the scan is bound by its
-    gathers); so is an int8 one, with its ``scale`` (``[Lq]`` / ``[Nq, Lq]``,
-    positive; see :func:`quantize_score_table`), scoring as
-    ``table * scale`` column by column; other dtypes are cast to fp32.
-    Returns fp32 ``[Nd]`` or ``[Nq, Nd]``."""
+    gathers); other dtypes are cast to fp32. Returns fp32 ``[Nd]`` or
+    ``[Nq, Nd]``."""
     qcs = query_centroid_scores
     single = qcs.dim() == 2
     qcs = qcs[None] if single else qcs
-    if (qcs.dtype == torch.int8) != (scale is not None):
-        raise ValueError("an int8 score table comes with its scale, and only an int8 one")
-    if scale is not None:
-        scale = (scale[None] if scale.dim() == 1 else scale).float().contiguous()
-    elif qcs.dtype not in (torch.float16, torch.bfloat16):
+    if qcs.dtype not in (torch.float16, torch.bfloat16):
         qcs = qcs.float()
     qcs = qcs.contiguous()
     if keep is not None:
@@ -394,20 +368,18 @@ def approx_scores(query_centroid_scores: Tensor, codes: Tensor, doc_lengths: Opt
             raise ValueError("padded codes [Nd, L] need doc_lengths [Nd] (or pass flat codes with cu_seqlens)")
         st, ln = _segments_padded(codes, doc_lengths)
         flat = codes.reshape(-1)
-    out = ops.plaid_approx(qcs, flat.to(torch.int32).contiguous(), st, ln, keep, scale)
+    out = ops.plaid_approx(qcs, flat.to(torch.int32).contiguous(), st, ln, keep)
     return out[0] if single else out
 
 
 # -- fp64 references -------------------------------------------------------------
 
 def approx_scores_reference(query_centroid_scores: Tensor, codes: Tensor, doc_lengths: Tensor,
-                            keep: Optional[Tensor] = None, scale: Optional[Tensor] = None) -> Tensor:
+                            keep: Optional[Tensor] = None) -> Tensor:
     """Dense fp64 reference of :func:`approx_scores` (padded codes)."""
     qcs = query_centroid_scores.double()
     single = qcs.dim() == 2
     qcs = qcs[None] if single else qcs
-    if scale is not None:
-        qcs = qcs * (scale[None] if scale.dim() == 1 else scale).double()[:, None, :]
     if keep is not None:
         keep = (keep[None] if keep.dim() == 1 else keep).expand(qcs.shape[0], -1)
     st, ln = _segments_padded(codes, doc_lengths)
@@ -532,11 +504,9 @@ class PlaidIndex:
             # PLAID's centroid pruning: a centroid no query token scores at
             # least the threshold with is skipped by the scan.
             keep = (qcs.amax(2) >= centroid_threshold).to(torch.uint8)
-        # The scan gathers one score row per token: an int8 table takes a
-        # quarter of fp32's bytes, and its rounding only reorders near-ties
-        # the rerank settles.
-        table, scale = quantize_score_table(qcs)
-        approx = ops.plaid_approx(table, self.codes, self.starts, self.lengths, keep, scale)  # [Nq, N]
+        # The scan gathers one score row per token: an fp16 table halves its
+        # bytes, and fp16's 11 bits only reorder near-ties the rerank settles.
+        approx = ops.plaid_approx(qcs.half(), self.codes, self.starts, self.lengths, keep)  # [Nq, N]
         if nprobe is not None and nprobe < self.centroids.shape[0]:
             # IVF: only documents holding a token of one of the nprobe best
             # centroids of some query token stay candidates.
