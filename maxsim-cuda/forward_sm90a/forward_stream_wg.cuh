@@ -106,6 +106,29 @@ using plan::kStreamWgTokens;   // tokens per stage (wgmma M)
 // needs).
 using plan::stream_wg_smem;
 
+// A walk over the stages of a CTA's documents: document `doc` of the run
+// (`start`, `len`; -1 if invalid), its stage `stage`. Lane i of the warp holds
+// document i's segment (lds, ldl), or a single pair's in every lane.
+struct RunCursor {
+  int doc = 0, stage = 0, start, len;
+  __device__ __forceinline__ RunCursor(int lds, int ldl, bool run)
+      : start(run ? __shfl_sync(0xffffffffu, lds, 0) : lds), len(run ? __shfl_sync(0xffffffffu, ldl, 0) : ldl) {}
+  // Stages of a document of l tokens: an empty or invalid one takes one
+  // stage that loads nothing.
+  static __device__ __forceinline__ int stages(int l) {
+    return l > kStreamWgTokens ? (l + kStreamWgTokens - 1) / kStreamWgTokens : 1;
+  }
+  __device__ __forceinline__ bool last_stage() const { return stage + 1 == stages(len); }
+  // On to the next stage, past the document's last to the next document's.
+  __device__ __forceinline__ void advance(int lds, int ldl) {
+    if (++stage < stages(len)) return;
+    stage = 0;
+    ++doc;
+    start = __shfl_sync(0xffffffffu, lds, doc & 31);
+    len = __shfl_sync(0xffffffffu, ldl, doc & 31);
+  }
+};
+
 // KS: 32-byte k steps per row (4 or 8); NQ: query rows per tile (16, 32,
 // or 64 / 128 for lq 33-128);
 // NST: document stages (NST - 1 in flight while one is scored); ARG: write
@@ -163,8 +186,6 @@ __global__ void __launch_bounds__(kStreamWgThreads) stream_wg_kernel(const FwdPa
   const bool dok = doc_ok(p, !run ? dn : lane < cnt ? dn + lane : -1, seg_s, seg_l);
   const bool qok = query_ok(p, n, qs, ql);
   const int lds = dok && qok ? seg_s : 0, ldl = dok && qok ? seg_l : -1;
-  // Stages of a document of l tokens (l < 0: invalid).
-  const auto stages_of = [](int l) { return l > kStreamWgTokens ? (l + kStreamWgTokens - 1) / kStreamWgTokens : 1; };
   uint64_t pol;
   if ((int)blockIdx.x < p.stream_keep)
     asm("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(pol));
@@ -182,27 +203,21 @@ __global__ void __launch_bounds__(kStreamWgThreads) stream_wg_kernel(const FwdPa
   auto sw = [](int rows, int r, int j) -> uint32_t {
     return (uint32_t)((j >> 3) * rows * 128 + r * 128 + ((((j & 7) ^ (r & 7))) << 4));
   };
-  // The load cursor: document fd of the run (start fds, length fdl >= 0),
-  // its stage ft. Copy x of a stage: row x / CH, chunk x % CH (a row's
-  // chunks on consecutive threads).
-  int fd = 0, ft = 0, fds = run ? __shfl_sync(kAll, lds, 0) : lds, fdl = max(run ? __shfl_sync(kAll, ldl, 0) : ldl, 0);
+  // The load cursor, NST - 1 stages ahead of the score cursor. Copy x of a
+  // stage: row x / CH, chunk x % CH (a row's chunks on consecutive threads).
+  RunCursor load(lds, ldl, run);
   auto stage_in = [&](int t) {
-    if (fd < cnt) {
+    if (load.doc < cnt) {
       const uint32_t dst = sbase + (uint32_t)((t % NST) * SB);
 #pragma unroll
       for (int i = 0; i < CPT; ++i) {
         const int x = tid + i * kStreamWgThreads, r = x / CH, j = x % CH;
-        const int tok = ft * kStreamWgTokens + r;
-        const bool in = tok < fdl;
-        const char* src = p.d + (in ? ((int64_t)fds + tok) * RB + j * 16 : 0);
+        const int tok = load.stage * kStreamWgTokens + r;
+        const bool in = tok < load.len;  // nothing of an invalid document (length -1)
+        const char* src = p.d + (in ? ((int64_t)load.start + tok) * RB + j * 16 : 0);
         cp_async_pol(dst + sw(kStreamWgTokens, r, j), src, in ? 16 : 0, pol);
       }
-      if (++ft == stages_of(fdl)) {
-        ft = 0;
-        ++fd;
-        fds = __shfl_sync(kAll, lds, fd & 31);
-        fdl = max(__shfl_sync(kAll, ldl, fd & 31), 0);
-      }
+      load.advance(lds, ldl);
     }
     cp_async_commit();
   };
@@ -217,7 +232,7 @@ __global__ void __launch_bounds__(kStreamWgThreads) stream_wg_kernel(const FwdPa
   cp_async_commit();
 #pragma unroll
   for (int t = 0; t < NST - 1; ++t) stage_in(t);
-  int nst = stages_of(ldl);  // the CTA's stages
+  int nst = RunCursor::stages(ldl);  // the CTA's stages
   if (run) {
     nst = lane < cnt ? nst : 0;
 #pragma unroll
@@ -265,9 +280,8 @@ __global__ void __launch_bounds__(kStreamWgThreads) stream_wg_kernel(const FwdPa
     const float sum = warp_sum(part);
     if (lane == 0) store_score(p, pr, ok, sum);
   };
-  // The score cursor: document cd (start cds, length cdl, -1 if invalid),
-  // its stage ct; pend: the document whose maxima wait for warp 0.
-  int cd = 0, ct = 0, cds = run ? __shfl_sync(kAll, lds, 0) : lds, cdl = run ? __shfl_sync(kAll, ldl, 0) : ldl;
+  // The score cursor; pend: the document whose maxima wait for warp 0.
+  RunCursor score(lds, ldl, run);
   int pend = -1;
   for (int t = 0; t < nst; ++t) {
     // This thread's copies of the query and stage t have landed; the
@@ -296,15 +310,15 @@ __global__ void __launch_bounds__(kStreamWgThreads) stream_wg_kernel(const FwdPa
     wg_wait<0>();
     wg_fence_acc<NA>(acc);
     // Columns 8 j + 2 c + e; rows g (acc 4 j + e) and g + 8 (4 j + 2 + e).
-    const int dl = max(cdl, 0);
-    const int j0 = ct * kStreamWgTokens + 16 * warp + g;
+    const int dl = max(score.len, 0);
+    const int j0 = score.stage * kStreamWgTokens + 16 * warp + g;
     bool v0 = true, v1 = true;
-    if (!(ct * kStreamWgTokens + kStreamWgTokens <= dl && p.d_mask == nullptr)) {
+    if (!(score.stage * kStreamWgTokens + kStreamWgTokens <= dl && p.d_mask == nullptr)) {
       v0 = j0 < dl;
       v1 = j0 + 8 < dl;
       if (p.d_mask != nullptr) {
-        v0 = v0 && p.d_mask[(int64_t)cds + j0];
-        v1 = v1 && p.d_mask[(int64_t)cds + j0 + 8];
+        v0 = v0 && p.d_mask[(int64_t)score.start + j0];
+        v1 = v1 && p.d_mask[(int64_t)score.start + j0 + 8];
       }
     }
 #pragma unroll
@@ -319,11 +333,11 @@ __global__ void __launch_bounds__(kStreamWgThreads) stream_wg_kernel(const FwdPa
           best[2 * j + e] = max_nan(best[2 * j + e], max_nan(a0, a1));
         }
       }
-    if (++ct == stages_of(cdl)) {
-      // Document cd is scored: max over the warp's 16 tokens (lanes of
+    if (score.last_stage()) {
+      // The document is scored: max over the warp's 16 tokens (lanes of
       // equal c) into its buffer, which warp 0 last read two documents ago,
       // before the barrier this stage passed.
-      Red* red = red_base + (cd & 1) * 4 * NQ;
+      Red* red = red_base + (score.doc & 1) * 4 * NQ;
 #pragma unroll
       for (int i = 0; i < NA / 2; ++i) {
         if constexpr (ARG) {
@@ -340,12 +354,9 @@ __global__ void __launch_bounds__(kStreamWgThreads) stream_wg_kernel(const FwdPa
         best[i] = neg_inf();
         bidx[i] = -1;
       }
-      pend = cd;
-      ct = 0;
-      ++cd;
-      cds = __shfl_sync(kAll, lds, cd & 31);
-      cdl = __shfl_sync(kAll, ldl, cd & 31);
+      pend = score.doc;
     }
+    score.advance(lds, ldl);
   }
   cp_async_wait<0>();
   if (p.stream_multiwave) pdl_trigger();
