@@ -304,7 +304,7 @@ __global__ void __launch_bounds__(kStreamWgThreads) stream_wg_kernel(const FwdPa
     // The stage scored before this one is free (its chain retired before the
     // barrier above).
     stage_in(t + NST - 1);
-    // Warp 0 sums the last document's maxima while the chain runs.
+    // Warp 0 sums the previous document's maxima while the chain runs.
     if (warp == 0 && pend >= 0) finish(pend);
     pend = -1;
     wg_wait<0>();
