@@ -240,8 +240,8 @@ __global__ void __launch_bounds__(kStreamWgThreads) stream_wg_kernel(const FwdPa
   }
   // The same in every lane; a warp reduction's result is uniform to the
   // compiler too, so the stage loop's counter and the wgmma descriptors stay
-  // in uniform registers (from shuffles they were moved there before every
-  // wgmma of the chain, about 0.5 us a CTA of five stages).
+  // in uniform registers (from shuffles, every wgmma of a stage's chain
+  // waited on a move of its descriptor there).
   nst = __reduce_max_sync(kAll, nst);
 
   float best[NA / 2];
