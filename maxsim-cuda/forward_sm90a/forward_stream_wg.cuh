@@ -106,13 +106,15 @@ using plan::kStreamWgTokens;   // tokens per stage (wgmma M)
 // needs).
 using plan::stream_wg_smem;
 
+constexpr unsigned kAll = 0xffffffffu;  // every lane of a warp
+
 // A walk over the stages of a CTA's documents: document `doc` of the run
 // (`start`, `len`; -1 if invalid), its stage `stage`. Lane i of the warp holds
 // document i's segment (lds, ldl), or a single pair's in every lane.
 struct RunCursor {
   int doc = 0, stage = 0, start, len;
   __device__ __forceinline__ RunCursor(int lds, int ldl, bool run)
-      : start(run ? __shfl_sync(0xffffffffu, lds, 0) : lds), len(run ? __shfl_sync(0xffffffffu, ldl, 0) : ldl) {}
+      : start(run ? __shfl_sync(kAll, lds, 0) : lds), len(run ? __shfl_sync(kAll, ldl, 0) : ldl) {}
   // Stages of a document of l tokens: an empty or invalid one takes one
   // stage that loads nothing.
   static __device__ __forceinline__ int stages(int l) {
@@ -124,8 +126,8 @@ struct RunCursor {
     if (++stage < stages(len)) return;
     stage = 0;
     ++doc;
-    start = __shfl_sync(0xffffffffu, lds, doc & 31);
-    len = __shfl_sync(0xffffffffu, ldl, doc & 31);
+    start = __shfl_sync(kAll, lds, doc & 31);
+    len = __shfl_sync(kAll, ldl, doc & 31);
   }
 };
 
@@ -157,7 +159,6 @@ __global__ void __launch_bounds__(kStreamWgThreads) stream_wg_kernel(const FwdPa
   constexpr int SB = kStreamWgTokens * RB;          // stage bytes
   constexpr int NA = NQ / 2;                        // accumulators per thread
   constexpr int CPT = kStreamWgTokens * CH / kStreamWgThreads;  // copies per thread per stage
-  constexpr unsigned kAll = 0xffffffffu;
   const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, c = lane & 3, warp = tid >> 5;
   // The CTA's pairs first .. first + cnt - 1, of query n; in a run, pair
   // first + i's document is first + i in both layouts (pair_ids).
