@@ -6,9 +6,10 @@
 // gradient is needed, dqdd_kernel (both kinds of CTA in one grid) when both
 // are; the dd_one_pair forms of the last two when every document belongs to
 // one pair. Under normalize, one launch first for the inverse row norms of
-// both sides; the kernels then write fp32 row sums that one normalize_grad
-// launch turns into dq / dd (a workspace of fp32 rows, so the Jacobian sees
-// unrounded sums). Outputs are allocated
+// both sides; the kernels then apply the normalisation's Jacobian to each
+// row's fp32 sums before rounding (a lane group holds a whole row when the
+// row fits one dim chunk), or else write fp32 row sums that one
+// normalize_grad launch turns into dq / dd. Outputs are allocated
 // uninitialised and fully written by the kernels (segment rows by their
 // owners, the rows between segments by the gap rule in
 // backward_kernels.cuh), so there is no memset either; when there is
@@ -245,26 +246,39 @@ void launch(BwdParams& p, bool do_dq, bool do_dd, int NG, cudaStream_t st) {
   }
 }
 
-template <class T, class O>
-void launch_o(bool a16, bool v16, BwdParams& p, bool do_dq, bool do_dd, int NG, cudaStream_t st) {
+// The Jacobian in the kernels is only taken with 16-byte vectors, so only
+// those forms of it are instantiated.
+template <class T, class A, class O>
+void launch_v(bool v16, BwdParams& p, bool do_dq, bool do_dd, int NG, cudaStream_t st) {
   constexpr int kVec = 16 / (int)sizeof(T);
-  if (a16) {
-    if (v16)
-      launch<T, int16_t, kVec, O>(p, do_dq, do_dd, NG, st);
-    else
-      launch<T, int16_t, 1, O>(p, do_dq, do_dd, NG, st);
+  if constexpr (OutRow<O>::kJacobian) {
+    TORCH_CHECK(v16, "maxsim backward: the in-kernel Jacobian needs 16-byte rows");
+    launch<T, A, kVec, O>(p, do_dq, do_dd, NG, st);
+  } else if (v16) {
+    launch<T, A, kVec, O>(p, do_dq, do_dd, NG, st);
   } else {
-    if (v16)
-      launch<T, int32_t, kVec, O>(p, do_dq, do_dd, NG, st);
-    else
-      launch<T, int32_t, 1, O>(p, do_dq, do_dd, NG, st);
+    launch<T, A, 1, O>(p, do_dq, do_dd, NG, st);
   }
 }
 
-// f32_out: fp32 row sums (normalize); for fp32 inputs that is the same kernel.
+template <class T, class O>
+void launch_o(bool a16, bool v16, BwdParams& p, bool do_dq, bool do_dd, int NG, cudaStream_t st) {
+  if (a16)
+    launch_v<T, int16_t, O>(v16, p, do_dq, do_dd, NG, st);
+  else
+    launch_v<T, int32_t, O>(v16, p, do_dq, do_dd, NG, st);
+}
+
+// The row stores' output policy (backward_kernels.cuh): the gradient, the
+// gradient of normalize (Jacobian in the kernel), or normalize's fp32 row
+// sums (for fp32 inputs the same kernel as the gradient's).
+enum class RowOut { kGrad, kJacobian, kRowSums };
+
 template <class T>
-void launch_t(bool f32_out, bool a16, bool v16, BwdParams& p, bool do_dq, bool do_dd, int NG, cudaStream_t st) {
-  if (f32_out && !std::is_same<T, float>::value)
+void launch_t(RowOut out, bool a16, bool v16, BwdParams& p, bool do_dq, bool do_dd, int NG, cudaStream_t st) {
+  if (out == RowOut::kJacobian)
+    launch_o<T, Jacobian<T>>(a16, v16, p, do_dq, do_dd, NG, st);
+  else if (out == RowOut::kRowSums && !std::is_same<T, float>::value)
     launch_o<T, float>(a16, v16, p, do_dq, do_dd, NG, st);
   else
     launch_o<T, T>(a16, v16, p, do_dq, do_dd, NG, st);
@@ -358,28 +372,32 @@ std::tuple<at::Tensor, at::Tensor> backward_cuda(
   at::Tensor dd = !need_dd ? d.new_empty({0}) : (do_dd ? at::empty(d.sizes(), d.options()) : at::zeros(d.sizes(), d.options()));
   if (!do_dq && !do_dd) return {dq, dd};
 
-  // normalize: inverse norms of the gathered sides (q's rows for dd, then d's
-  // for dq) and fp32 row sums out, each one launch / one buffer for both.
-  const at::Tensor none;
-  cuda_norm::InvNorms inv;
-  at::Tensor g32, gq, gd;
-  if (normalize) {
-    inv = cuda_norm::inv_norms(do_dd ? q : none, do_dq ? d : none);
-    g32 = at::empty({(do_dq ? Tq : 0) + (do_dd ? Td : 0), dim}, q.options().dtype(at::kFloat));
-    if (do_dq) gq = g32.narrow(0, 0, Tq);
-    if (do_dd) gd = g32.narrow(0, do_dq ? Tq : 0, Td);
-  }
-  const at::Tensor& out_q = normalize ? gq : dq;
-  const at::Tensor& out_d = normalize ? gd : dd;
-
   // ---- vectors and lane groups --------------------------------------------
+  // (dq / dd come from at::empty: 16-byte aligned.)
   const int64_t esz = q.element_size();
-  const bool v16 = (dim * esz) % 16 == 0 && aligned_to(q.data_ptr(), 16) && aligned_to(d.data_ptr(), 16) &&
-                   (!do_dq || aligned_to(out_q.data_ptr(), 16)) && (!do_dd || aligned_to(out_d.data_ptr(), 16));
+  const bool v16 = (dim * esz) % 16 == 0 && aligned_to(q.data_ptr(), 16) && aligned_to(d.data_ptr(), 16);
   const int VEC = v16 ? (int)(16 / esz) : 1;
   const int64_t nvec = dim / VEC;
   const int G = std::min(32, std::max(8, ceil_pow2(nvec)));
   const int NG = kThreads / G;
+  const int H = (int)ceil_div(nvec, G);
+
+  // normalize: inverse norms of the gathered sides (q's rows for dd, then d's
+  // for dq), one launch for both; the Jacobian in the kernels when a lane
+  // group holds a whole row (16-byte vectors, one dim chunk), else fp32 row
+  // sums out (one buffer for both sides) and one normalize_grad launch.
+  const at::Tensor none;
+  cuda_norm::InvNorms inv;
+  const RowOut row_out = !normalize ? RowOut::kGrad : (v16 && H == 1 ? RowOut::kJacobian : RowOut::kRowSums);
+  at::Tensor g32, gq, gd;
+  if (normalize) inv = cuda_norm::inv_norms(do_dd ? q : none, do_dq ? d : none);
+  if (row_out == RowOut::kRowSums) {
+    g32 = at::empty({(do_dq ? Tq : 0) + (do_dd ? Td : 0), dim}, q.options().dtype(at::kFloat));
+    if (do_dq) gq = g32.narrow(0, 0, Tq);
+    if (do_dd) gd = g32.narrow(0, do_dq ? Tq : 0, Td);
+  }
+  const at::Tensor& out_q = row_out == RowOut::kRowSums ? gq : dq;
+  const at::Tensor& out_d = row_out == RowOut::kRowSums ? gd : dd;
 
   BwdParams p{};
   p.grad = grad.data_ptr<float>();
@@ -412,14 +430,14 @@ std::tuple<at::Tensor, at::Tensor> backward_cuda(
   p.nvec = (int)nvec;
   p.vec = VEC;
   p.lgG = ilog2(G);
-  p.H = (int)ceil_div(nvec, G);
+  p.H = H;
 
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const bool a16 = argmax.scalar_type() == at::kShort;
   dispatch_float_type(dtype, [&](auto tag) {
-    launch_t<decltype(tag)>(normalize, a16, v16, p, do_dq, do_dd, NG, stream);
+    launch_t<decltype(tag)>(row_out, a16, v16, p, do_dq, do_dd, NG, stream);
   });
-  if (normalize) cuda_norm::normalize_grad(g32, do_dq ? q : none, dq, do_dd ? d : none, dd);
+  if (row_out == RowOut::kRowSums) cuda_norm::normalize_grad(g32, do_dq ? q : none, dq, do_dd ? d : none, dd);
   return {dq, dd};
 }
 

@@ -35,8 +35,10 @@
 // normalize (torch_binding.h): p.q_scale / p.d_scale hold the inverse row
 // norms; each gathered row's contribution carries its row's scale (dq: the
 // document row's, loaded with the row; dd: the query row's, staged with the
-// grad), and the kernels write the fp32 row sums (O = float) for the
-// Jacobian pass in normalize_rows.cuh.
+// grad). When one lane group holds a whole row (one dim chunk) the kernels
+// apply the normalisation's Jacobian to the row's fp32 sums themselves
+// (O = Jacobian<T>, see jacobian_row); otherwise they write the fp32 row
+// sums (O = float) for the Jacobian pass in normalize_rows.cuh.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -48,6 +50,7 @@
 
 #include "../common/convert.cuh"
 #include "../common/pdl.cuh"
+#include "normalize_rows.h"
 
 namespace maxsim {
 namespace cuda_bwd {
@@ -182,6 +185,62 @@ struct Vec<T, 1> {  // scalar fallback (rows not 16-byte aligned)
   static __device__ __forceinline__ void unpack(raw_t v, float (&f)[1]) { f[0] = to_f<T>(v); }
   static __device__ __forceinline__ raw_t pack(const float (&f)[1]) { return from_f<T>(f[0]); }
 };
+
+// Output policy of the row stores: O = T (the gradient), float (the fp32
+// row sums of normalize, for the Jacobian pass), or Jacobian<T> (the
+// gradient of normalize, the Jacobian applied in the kernel: jacobian_row).
+template <class T>
+struct Jacobian {};
+template <class O>
+struct OutRow {
+  using type = O;  // what the output tensor holds
+  static constexpr bool kJacobian = false;
+};
+template <class T>
+struct OutRow<Jacobian<T>> {
+  using type = T;
+  static constexpr bool kJacobian = true;
+};
+template <class O>
+using out_t = typename OutRow<O>::type;
+
+constexpr float kEps = (float)kNormEps;  // F.normalize's (normalize_rows.h)
+
+// Sum over the lane group (G consecutive lanes); every lane of the warp calls it.
+__device__ __forceinline__ float group_sum(float v, int G) {
+  for (int o = G >> 1; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Under O = Jacobian<T>, a lane group's fp32 sums f of a whole row
+// (g = dL/dx^ for x^ = x / max(|x|, eps)) become the row's gradient
+// (g - x^ <x^, g>) / |x| (g / eps under the clamp), with x the input row
+// (this lane's vector at x_vec, read when `own`). Every lane of the warp
+// calls it (group shuffles); a lane that owns nothing passes zeros.
+template <class T, class O, int VEC>
+__device__ __forceinline__ void jacobian_row(const T* __restrict__ x_vec, bool own, int G, float (&f)[VEC]) {
+  if constexpr (OutRow<O>::kJacobian) {
+    float x[VEC];
+    if (own) {
+      Vec<T, VEC>::unpack(Vec<T, VEC>::load(x_vec), x);
+    } else {
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) x[e] = 0.f;
+    }
+    float ss = 0.f;
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) ss = fmaf(x[e], x[e], ss);
+    const float nrm = sqrtf(group_sum(ss, G));
+    const float inv = 1.f / fmaxf(nrm, kEps);
+    float c = 0.f;
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) c = fmaf(x[e] * inv, f[e], c);
+    c = group_sum(c, G);
+    if (!(nrm >= kEps)) c = 0.f;
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) f[e] = inv * (f[e] - x[e] * inv * c);
+  }
+}
 
 // One lane's VEC fp32 values stored to an output row: packed to T, or as
 // fp32 (O = float, the row sums of normalize; 16-byte aligned when VEC >= 4).
@@ -437,7 +496,7 @@ __device__ __forceinline__ void dq_cta(const BwdParams& p, int64_t item) {
   const int lq = p.lq;
   const T* __restrict__ dsrc = static_cast<const T*>(p.d);
   const A* __restrict__ am = static_cast<const A*>(p.argmax);
-  O* __restrict__ out = static_cast<O*>(p.dq);
+  out_t<O>* __restrict__ out = static_cast<out_t<O>*>(p.dq);
   const float* __restrict__ dsc = p.d_scale;
 
   const int qrows = seg_rows(p.q_start, p.q_len, n, lq, p.Tq);
@@ -559,9 +618,12 @@ __device__ __forceinline__ void dq_cta(const BwdParams& p, int64_t item) {
       }
     }
   }
-  if (s == 0 && i < qrows && vok) store_out<O, VEC>(out + ((int64_t)p.q_start[n] + i) * dim + col, acc);
+  const bool own = s == 0 && i < qrows && vok;
+  const int64_t row = own ? (int64_t)p.q_start[n] + i : 0;
+  jacobian_row<T, O, VEC>(static_cast<const T*>(p.q) + row * dim + col, own, G, acc);
+  if (own) store_out<out_t<O>, VEC>(out + row * dim + col, acc);
 
-  zero_gap<O, VEC>(out, p.q_start, qrows, n, p.Nq, p.Tq, dim, b, p.NB, gi, NG, col, vok);
+  zero_gap<out_t<O>, VEC>(out, p.q_start, qrows, n, p.Nq, p.Tq, dim, b, p.NB, gi, NG, col, vok);
 }
 
 // ---------------------------------------------------------------------------
@@ -590,7 +652,8 @@ __device__ __forceinline__ void dd_cta(const BwdParams& p, int64_t item) {
   const int DCf = G * VEC;  // floats per tile row
   const T* __restrict__ qsrc = static_cast<const T*>(p.q);
   const A* __restrict__ am = static_cast<const A*>(p.argmax);
-  O* __restrict__ out = static_cast<O*>(p.dd);
+  out_t<O>* __restrict__ out = static_cast<out_t<O>*>(p.dd);
+  const T* __restrict__ dsrc = static_cast<const T*>(p.d);
 
   float* acc = reinterpret_cast<float*>(smem);                            // [R][DCf]
   int* q_row = reinterpret_cast<int*>(acc + (size_t)R * DCf);            // [kChunk]
@@ -762,17 +825,24 @@ __device__ __forceinline__ void dd_cta(const BwdParams& p, int64_t item) {
       __syncthreads();  // queues are rewritten by the next chunk
     }
     __syncthreads();  // tile complete (also when there were no entries)
-    if (vok) {
-      for (int rr = gi; rr < rlen; rr += NG) {
-        float f[VEC];
+    for (int rw = 0; rw < rlen; rw += NG) {  // CTA-uniform trips (jacobian_row's shuffles)
+      const int rr = rw + gi;
+      const bool own = rr < rlen && vok;
+      float f[VEC];
+      if (own) {
         smem_read<VEC>(acc + (size_t)rr * DCf, l, G, f);
-        store_out<O, VEC>(out + (ds + r0 + rr) * dim + col, f);
+      } else {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) f[e] = 0.f;
       }
+      const int64_t row = ds + r0 + (own ? rr : 0);
+      jacobian_row<T, O, VEC>(dsrc + row * dim + col, own, G, f);
+      if (own) store_out<out_t<O>, VEC>(out + row * dim + col, f);
     }
     __syncthreads();  // the next pass clears the tile
   }
 
-  zero_gap<O, VEC>(out, p.d_start, drows, j, p.Nd, p.Td, dim, c, p.C, gi, NG, col, vok);
+  zero_gap<out_t<O>, VEC>(out, p.d_start, drows, j, p.Nd, p.Td, dim, c, p.C, gi, NG, col, vok);
 }
 
 // dd when every document belongs to one pair (GROUPED, or CROSS with one
@@ -802,7 +872,7 @@ __device__ __forceinline__ void dd_one_pair_cta(const BwdParams& p, int64_t item
   const int lq = p.lq, lq32 = (lq + 31) / 32 * 32;
   const T* __restrict__ qsrc = static_cast<const T*>(p.q);
   const A* __restrict__ am = static_cast<const A*>(p.argmax);
-  O* __restrict__ out = static_cast<O*>(p.dd);
+  out_t<O>* __restrict__ out = static_cast<out_t<O>*>(p.dd);
   int* e_row = reinterpret_cast<int*>(smem);       // [lq32] document row hit by entry i, -1: none
   float* e_g = reinterpret_cast<float*>(e_row + lq32);  // [lq32] its grad (x the query row's scale)
 
@@ -864,10 +934,12 @@ __device__ __forceinline__ void dd_one_pair_cta(const BwdParams& p, int64_t item
         for (int e = 0; e < VEC; ++e) f[e] = fmaf(gg, q[e], f[e]);
       }
     }
-    if (r < rows && vok) store_out<O, VEC>(out + (ds + r) * dim + col, f);
+    const bool own = r < rows && vok;
+    jacobian_row<T, O, VEC>(static_cast<const T*>(p.d) + (ds + (own ? r : 0)) * dim + col, own, G, f);
+    if (own) store_out<out_t<O>, VEC>(out + (ds + r) * dim + col, f);
   }
 
-  zero_gap<O, VEC>(out, p.d_start, drows, j, p.Nd, p.Td, dim, c, p.C, gi, NG, col, vok);
+  zero_gap<out_t<O>, VEC>(out, p.d_start, drows, j, p.Nd, p.Td, dim, c, p.C, gi, NG, col, vok);
 }
 
 // Launch forms: CTAs item0 + blockIdx.x of one kind (one gradient needed),
