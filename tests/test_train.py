@@ -390,15 +390,17 @@ def test_backward_rows_hit_by_many_tokens(ms, device, dtype):
 
 
 @pytest.mark.parametrize("nq,k,lq,ld,dim,hit_rows", [(3, 5, 100, 70, 64, (2, 33, 69)),
-                                                      (2, 200, 8, 2600, 16, (1, 2047, 2048, 2599))],
-                         ids=["many-entries", "long-documents"])
+                                                      (2, 200, 8, 2600, 16, (1, 2047, 2048, 2599)),
+                                                      (2, 200, 100, 2600, 16, (0, 700, 2047, 2048, 2599))],
+                         ids=["many-entries", "long-documents", "long-documents-many-entries"])
 def test_candidates_rows_hit_by_many_tokens(ms, device, dtype, nq, k, lq, ld, dim, hit_rows):
     """Per-query candidates (each document in one pair: the one-pair dd on
     the GPU) whose query tokens all pick one of a few rows: long runs of
-    hits per row, over several ballot chunks (lq 100) and row parts, summed
-    in entry order; 400 documents of 2600 rows take one row part each on
-    the GPU, with hits thousands of rows apart. Against fp64 sums over the
-    forward's own argmax, and bitwise equal run to run."""
+    hits per row, several mask words a row (lq 100) and row parts, summed in
+    entry order; 400 documents of 2600 rows take two row parts on the GPU,
+    each in several chunks of rows, with hits thousands of rows apart.
+    Against fp64 sums over the forward's own argmax, and bitwise equal run
+    to run."""
     gen = torch.Generator().manual_seed(13)
     Q, D = _tokens_towards_rows(gen, (nq, lq, dim), (nq, k, ld, dim), hit_rows, device, dtype)
     g = torch.randn(nq, k, generator=gen).to(device)
