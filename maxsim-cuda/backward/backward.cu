@@ -175,14 +175,14 @@ void plan_dd(BwdParams& p, const cudaDeviceProp* prop, int occ_regs, int NG, siz
   ctas = Nd * best_c * p.H;
 }
 
-// dd_one_pair tiling: row parts C per document so the grid fills about one
-// wave of resident CTAs, each part >= NG rows. Each part stages its pair's
-// entries and builds its rows' hit masks from all of them, so more parts add
-// work.
+// dd_one_pair tiling: row parts C per document so the grid fills at most
+// one wave of resident CTAs, each part >= NG rows. Each part stages its
+// pair's entries and builds its rows' hit masks from all of them (a fixed
+// cost of a few hundred instructions a warp), so more parts add work.
 void plan_dd_one_pair(BwdParams& p, int64_t slots, int NG, size_t& smem, int64_t& ctas) {
   const int64_t Nd = p.Nd;
   const int64_t ld = std::max<int64_t>(1, ceil_div(p.Td, std::max<int64_t>(Nd, 1)));
-  const int64_t want = ceil_div(slots, std::max<int64_t>(1, Nd * p.H));
+  const int64_t want = slots / std::max<int64_t>(1, Nd * p.H);
   p.C = (int)std::max<int64_t>(1, std::min<int64_t>({want, ceil_div(ld, NG), 1024}));
   p.R = 0;
   smem = dd_one_pair_smem(p.lq);

@@ -392,10 +392,19 @@ __device__ __forceinline__ CtaItem cta_item(const BwdParams& p, int64_t item, in
   it.NG = kThreads >> p.lgG;  // <= 32
   it.gi = tid >> p.lgG;
   it.l = tid & (it.G - 1);
-  const int h = (int)(item % p.H);
-  item /= p.H;
-  it.c = (int)(item % parts);
-  it.o = item / parts;
+  int h = 0;
+  if (p.H > 1) {
+    h = (int)(item % p.H);
+    item /= p.H;
+  }
+  if (item <= INT32_MAX) {  // the 32-bit division (grids of < 2^31 items)
+    const uint32_t u = (uint32_t)item;
+    it.c = (int)(u % (uint32_t)parts);
+    it.o = u / (uint32_t)parts;
+  } else {
+    it.c = (int)(item % parts);
+    it.o = item / parts;
+  }
   const int v = h * it.G + it.l;
   it.vok = v < p.nvec;
   it.col = (int64_t)v * VEC;
@@ -913,24 +922,29 @@ __device__ __forceinline__ void dd_one_pair_cta(const BwdParams& p, int64_t item
   }
 
   // Pass t writes rows (t * C + c) * NG + gi (a warp's groups take
-  // consecutive rows); a chunk is KC passes, its masks [KC][NG][W].
+  // consecutive rows); a chunk is KC passes, its masks [KC][NG][W]. An
+  // entry's row as pass * NG + group, -1 if it wins no row of this part.
   const int rows = drows > 0 ? drows : 0, C = p.C;
+#pragma unroll
+  for (int u = 0; u < kPer; ++u) {
+    const int a = e_row[u], blk = a >> lgNG;
+    if (a >= 0 && C > 1) e_row[u] = blk % C == c ? ((blk / C) << lgNG) + (a & (NG - 1)) : -1;
+  }
   const int KC = kOnePairHitWords / (NG * W);
   const int64_t step = (int64_t)C * NG;  // rows from one pass to the next
   for (int64_t rb0 = (int64_t)c * NG, t0 = 0; rb0 < rows; rb0 += KC * step, t0 += KC) {
-    for (int w = tid; w < KC * NG * W; w += kThreads) hit[w] = 0u;
+    const int nt = (int)min((int64_t)KC, (rows - rb0 + step - 1) / step);  // passes of this chunk
+    for (int w = tid; w < nt * NG * W; w += kThreads) hit[w] = 0u;
     __syncthreads();  // (the first chunk: e_g is staged too)
 #pragma unroll
     for (int u = 0; u < kPer; ++u) {
-      const int a = e_row[u], i = tid + u * kThreads;
-      const int blk = a >> lgNG, t = blk / C - (int)t0;
-      if (a >= 0 && blk % C == c && t >= 0 && t < KC)
-        atomicOr(hit + (((t << lgNG) + (a & (NG - 1))) * W + (i >> 5)), 1u << (i & 31));
+      const int k = e_row[u] - ((int)t0 << lgNG), i = tid + u * kThreads;
+      if (e_row[u] >= 0 && k >= 0 && k < (nt << lgNG)) atomicOr(hit + (k * W + (i >> 5)), 1u << (i & 31));
     }
     __syncthreads();
     const uint32_t* mask = hit + gi * W;
     int64_t r = rb0 + gi;
-    for (int64_t rb = rb0; rb < rows && rb < rb0 + KC * step; rb += step, r += step, mask += NG * W) {  // CTA-uniform
+    for (int t = 0; t < nt; ++t, r += step, mask += NG * W) {  // CTA-uniform
       float f[VEC];
 #pragma unroll
       for (int e = 0; e < VEC; ++e) f[e] = 0.f;
