@@ -396,9 +396,9 @@ def test_backward_rows_hit_by_many_tokens(ms, device, dtype):
 def test_candidates_rows_hit_by_many_tokens(ms, device, dtype, nq, k, lq, ld, dim, hit_rows):
     """Per-query candidates (each document in one pair: the one-pair dd on
     the GPU) whose query tokens all pick one of a few rows: long runs of
-    hits per row, several mask words a row (lq 100) and row parts, summed in
-    entry order; 400 documents of 2600 rows take two row parts on the GPU,
-    each in several chunks of rows, with hits thousands of rows apart.
+    hits per row, over several ballot chunks (lq 100) and row parts, summed
+    in entry order; 400 documents of 2600 rows (with 8 or 100 query tokens)
+    take one row part each on the GPU, with hits thousands of rows apart.
     Against fp64 sums over the forward's own argmax, and bitwise equal run
     to run."""
     gen = torch.Generator().manual_seed(13)

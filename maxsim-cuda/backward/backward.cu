@@ -177,8 +177,9 @@ void plan_dd(BwdParams& p, const cudaDeviceProp* prop, int occ_regs, int NG, siz
 
 // dd_one_pair tiling: row parts C per document so the grid fills at most
 // one wave of resident CTAs, each part >= NG rows. Each part stages its
-// pair's entries and builds its rows' hit masks from all of them (a fixed
-// cost of a few hundred instructions a warp), so more parts add work.
+// pair's entries and ballots every row over all of them (a fixed cost of a
+// few hundred instructions a warp), so more parts add work: two waves of
+// half parts (512 documents on 528 slots) were slower than one.
 void plan_dd_one_pair(BwdParams& p, int64_t slots, int NG, size_t& smem, int64_t& ctas) {
   const int64_t Nd = p.Nd;
   const int64_t ld = std::max<int64_t>(1, ceil_div(p.Td, std::max<int64_t>(Nd, 1)));

@@ -392,19 +392,10 @@ __device__ __forceinline__ CtaItem cta_item(const BwdParams& p, int64_t item, in
   it.NG = kThreads >> p.lgG;  // <= 32
   it.gi = tid >> p.lgG;
   it.l = tid & (it.G - 1);
-  int h = 0;
-  if (p.H > 1) {
-    h = (int)(item % p.H);
-    item /= p.H;
-  }
-  if (item <= INT32_MAX) {  // the 32-bit division (grids of < 2^31 items)
-    const uint32_t u = (uint32_t)item;
-    it.c = (int)(u % (uint32_t)parts);
-    it.o = u / (uint32_t)parts;
-  } else {
-    it.c = (int)(item % parts);
-    it.o = item / parts;
-  }
+  const int h = (int)(item % p.H);
+  item /= p.H;
+  it.c = (int)(item % parts);
+  it.o = item / parts;
   const int v = h * it.G + it.l;
   it.vok = v < p.nvec;
   it.col = (int64_t)v * VEC;
@@ -859,24 +850,18 @@ __device__ __forceinline__ void dd_cta(const BwdParams& p, int64_t item) {
 // the tile of dd_cta (a shared fp32 row per document row, sized for many
 // pairs) would only add a pass through shared memory. CTA = (document j,
 // row part c of C, dim chunk); the pair's lq (argmax row, grad x scale)
-// entries are staged once. The CTA's rows go in chunks: the entries set one
-// bit each in a shared hit mask per row of the chunk (bit i of word i / 32:
-// entry i wins that row), then each lane group writes its rows straight from
-// registers, summing the rows' hits in entry order (the order dd_cta uses),
-// zeros where there are none. One mask load a row, not a warp vote a row
-// per 32 entries: the kernel is issue-bound.
+// entries are staged once, then each lane group writes its rows straight
+// from registers: per row a warp ballot over the entries finds the hits,
+// summed in entry order (the order dd_cta uses), zeros elsewhere.
 // Dynamic shared memory: dd_one_pair_smem(lq).
 constexpr int kMaxOnePairLq = 4 * kThreads;  // query rows of the one-pair dd (entries staged in one pass)
-constexpr int kOnePairHitWords = 1024;        // hit masks of a chunk: >= NG rows x lq / 32 words
-__host__ __device__ constexpr size_t dd_one_pair_smem(int64_t lq) {
-  return (size_t)((lq + 31) / 32 * 32) * 4 + (size_t)kOnePairHitWords * 4;
-}
+__host__ __device__ constexpr size_t dd_one_pair_smem(int64_t lq) { return (size_t)((lq + 31) / 32 * 32) * 8; }
 
 template <class T, class A, int VEC, class O>
 __device__ __forceinline__ void dd_one_pair_cta(const BwdParams& p, int64_t item) {
   using V = Vec<T, VEC>;
   extern __shared__ __align__(16) unsigned char smem[];
-  const int tid = threadIdx.x;
+  const int tid = threadIdx.x, lane = tid & 31;
   const CtaItem it = cta_item<VEC>(p, item, p.C);
   const int G = it.G, NG = it.NG, gi = it.gi, c = it.c;
   const int64_t j = it.o;
@@ -884,13 +869,12 @@ __device__ __forceinline__ void dd_one_pair_cta(const BwdParams& p, int64_t item
   const bool vok = it.vok;
   const int64_t col = it.col;
   const int64_t dim = p.dim;
-  const int lq = p.lq, W = (lq + 31) / 32;  // mask words a row
-  const int lgNG = __ffs(NG) - 1;  // NG: a power of two
+  const int lq = p.lq, lq32 = (lq + 31) / 32 * 32;
   const T* __restrict__ qsrc = static_cast<const T*>(p.q);
   const A* __restrict__ am = static_cast<const A*>(p.argmax);
   out_t<O>* __restrict__ out = static_cast<out_t<O>*>(p.dd);
-  float* e_g = reinterpret_cast<float*>(smem);                  // [32 W] entry i's grad (x the query row's scale)
-  uint32_t* hit = reinterpret_cast<uint32_t*>(e_g + 32 * W);  // [kOnePairHitWords] the chunk's hit masks
+  int* e_row = reinterpret_cast<int*>(smem);       // [lq32] document row hit by entry i, -1: none
+  float* e_g = reinterpret_cast<float*>(e_row + lq32);  // [lq32] its grad (x the query row's scale)
 
   // The pair and its query come from the layout (no loads), so the
   // segments, the grad and the entries load in one round trip.
@@ -905,65 +889,54 @@ __device__ __forceinline__ void dd_one_pair_cta(const BwdParams& p, int64_t item
     g = p.grad[pr];
   }
   constexpr int kPer = kMaxOnePairLq / kThreads;  // entries per thread
-  int e_row[kPer];  // entry tid + u * kThreads: the document row it wins, -1: none
+  int a_in[kPer];
 #pragma unroll
   for (int u = 0; u < kPer; ++u) {
     const int i = tid + u * kThreads;
-    e_row[u] = pair_ok && i < lq ? (int)am[pr * lq + i] : -1;
+    a_in[u] = pair_ok && i < lq ? (int)am[pr * lq + i] : -1;
   }
   const int drows = seg_rows_of(dlen, ds, kNoWidth, p.Td);
   const int qrows = pair_ok && drows > 0 ? seg_rows_of(qlen, qs, lq, p.Tq) : -1;
 #pragma unroll
   for (int u = 0; u < kPer; ++u) {
     const int i = tid + u * kThreads;
-    const bool won = i < qrows && e_row[u] >= 0 && e_row[u] < drows;
-    e_row[u] = won ? e_row[u] : -1;
-    if (i < 32 * W) e_g[i] = won ? (p.q_scale != nullptr ? g * p.q_scale[qs + i] : g) : 0.f;
+    if (i < lq32) {
+      const bool hit = i < qrows && a_in[u] >= 0 && a_in[u] < drows;
+      e_row[i] = hit ? a_in[u] : -1;
+      e_g[i] = hit ? (p.q_scale != nullptr ? g * p.q_scale[qs + i] : g) : 0.f;
+    }
   }
+  __syncthreads();
 
-  // Pass t writes rows (t * C + c) * NG + gi (a warp's groups take
-  // consecutive rows); a chunk is KC passes, its masks [KC][NG][W]. An
-  // entry's row as pass * NG + group, -1 if it wins no row of this part.
-  const int rows = drows > 0 ? drows : 0, C = p.C;
+  // Rows r = (k * C + c) * NG + gi: a warp's groups take consecutive rows.
+  const int gpw = 32 / G;  // groups per warp (1, 2 or 4)
+  const int rows = drows > 0 ? drows : 0;
+  for (int64_t rb = (int64_t)c * NG; rb < rows; rb += (int64_t)p.C * NG) {
+    const int64_t r = rb + gi;  // may be >= rows: the group only takes part in the ballots
+    float f[VEC];
 #pragma unroll
-  for (int u = 0; u < kPer; ++u) {
-    const int a = e_row[u], blk = a >> lgNG;
-    if (a >= 0 && C > 1) e_row[u] = blk % C == c ? ((blk / C) << lgNG) + (a & (NG - 1)) : -1;
-  }
-  const int KC = kOnePairHitWords / (NG * W);
-  const int64_t step = (int64_t)C * NG;  // rows from one pass to the next
-  for (int64_t rb0 = (int64_t)c * NG, t0 = 0; rb0 < rows; rb0 += KC * step, t0 += KC) {
-    const int nt = (int)min((int64_t)KC, (rows - rb0 + step - 1) / step);  // passes of this chunk
-    for (int w = tid; w < nt * NG * W; w += kThreads) hit[w] = 0u;
-    __syncthreads();  // (the first chunk: e_g is staged too)
-#pragma unroll
-    for (int u = 0; u < kPer; ++u) {
-      const int k = e_row[u] - ((int)t0 << lgNG), i = tid + u * kThreads;
-      if (e_row[u] >= 0 && k >= 0 && k < (nt << lgNG)) atomicOr(hit + (k * W + (i >> 5)), 1u << (i & 31));
-    }
-    __syncthreads();
-    const uint32_t* mask = hit + gi * W;
-    int64_t r = rb0 + gi;
-    for (int t = 0; t < nt; ++t, r += step, mask += NG * W) {  // CTA-uniform
-      float f[VEC];
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) f[e] = 0.f;
-      for (int w = 0; w < W && vok; ++w) {
-        for (uint32_t m = mask[w]; m != 0u; m &= m - 1u) {
-          const int i = (w << 5) + __ffs(m) - 1;
-          float q[VEC];
-          V::unpack(V::load(qsrc + ((int64_t)qs + i) * dim + col), q);
-          const float gg = e_g[i];
-#pragma unroll
-          for (int e = 0; e < VEC; ++e) f[e] = fmaf(gg, q[e], f[e]);
-        }
+    for (int e = 0; e < VEC; ++e) f[e] = 0.f;
+    for (int e0 = 0; e0 < lq32; e0 += 32) {
+      const int a = e_row[e0 + lane];
+      unsigned mine = 0;
+      for (int k = 0; k < gpw; ++k) {
+        const int64_t rk = rb + (int64_t)((tid >> 5) * gpw + k);
+        const unsigned m = __ballot_sync(0xffffffffu, a >= 0 && (int64_t)a == rk);
+        if (k == (gi & (gpw - 1))) mine = m;
       }
-      const bool own = r < rows && vok;
-      const int64_t at = (ds + (own ? r : 0)) * dim + col;
-      jacobian_row<T, O, VEC>(static_cast<const T*>(p.d) + at, own, G, f);
-      if (own) store_out<out_t<O>, VEC>(out + at, f);
+      while (mine != 0u && vok) {
+        const int i = e0 + __ffs(mine) - 1;
+        mine &= mine - 1u;
+        float q[VEC];
+        V::unpack(V::load(qsrc + ((int64_t)qs + i) * dim + col), q);
+        const float gg = e_g[i];
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) f[e] = fmaf(gg, q[e], f[e]);
+      }
     }
-    __syncthreads();  // the next chunk clears the masks
+    const bool own = r < rows && vok;
+    jacobian_row<T, O, VEC>(static_cast<const T*>(p.d) + (ds + (own ? r : 0)) * dim + col, own, G, f);
+    if (own) store_out<out_t<O>, VEC>(out + (ds + r) * dim + col, f);
   }
 
   zero_gap<out_t<O>, VEC>(out, p.d_start, drows, j, p.Nd, p.Td, dim, c, p.C, gi, NG, col, vok);
