@@ -7,6 +7,7 @@
 #include <limits>
 #include <vector>
 
+#include "normalize_rows.h"
 #include "plaid_args.h"
 #include "torch_binding.h"
 
@@ -40,7 +41,7 @@ struct Decoder {
       row[f] = c[f] + bw[plaid::bucket_of(r, f, nbits)];
       ss += row[f] * row[f];
     }
-    return normalize ? 1.f / std::max(std::sqrt(ss), 1e-12f) : 1.f;
+    return normalize ? 1.f / std::max(std::sqrt(ss), kNormEpsF) : 1.f;
   }
 };
 

@@ -10,6 +10,7 @@
 namespace maxsim {
 
 constexpr double kNormEps = 1e-12;  // F.normalize's default
+constexpr float kNormEpsF = (float)kNormEps;  // the same, for fp32 kernels
 
 // x_r / max(|x_r|, eps), fp32 (fp64 for fp64 rows).
 inline at::Tensor normalized_rows(const at::Tensor& x) {

@@ -204,8 +204,6 @@ struct OutRow<Jacobian<T>> {
 template <class O>
 using out_t = typename OutRow<O>::type;
 
-constexpr float kEps = (float)kNormEps;  // F.normalize's (normalize_rows.h)
-
 // Sum over the lane group (G consecutive lanes); every lane of the warp calls it.
 __device__ __forceinline__ float group_sum(float v, int G) {
   for (int o = G >> 1; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -231,12 +229,12 @@ __device__ __forceinline__ void jacobian_row(const T* __restrict__ x_vec, bool o
 #pragma unroll
     for (int e = 0; e < VEC; ++e) ss = fmaf(x[e], x[e], ss);
     const float nrm = sqrtf(group_sum(ss, G));
-    const float inv = 1.f / fmaxf(nrm, kEps);
+    const float inv = 1.f / fmaxf(nrm, kNormEpsF);
     float c = 0.f;
 #pragma unroll
     for (int e = 0; e < VEC; ++e) c = fmaf(x[e] * inv, f[e], c);
     c = group_sum(c, G);
-    if (!(nrm >= kEps)) c = 0.f;
+    if (!(nrm >= kNormEpsF)) c = 0.f;
 #pragma unroll
     for (int e = 0; e < VEC; ++e) f[e] = inv * (f[e] - x[e] * inv * c);
   }

@@ -27,7 +27,6 @@
 namespace maxsim {
 namespace cuda_norm {
 
-constexpr float kEps = (float)kNormEps;
 constexpr int kWarpsPerBlock = 8;
 
 using cuda_cvt::from_f;
@@ -68,7 +67,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) inv_norms_kernel(RowPair<
   const int lane = threadIdx.x & 31;
   if (r >= x.rows) return;
   const float ss = row_sumsq(x.row(r, dim), dim, lane);
-  if (lane == 0) inv[x.out_row(r, inv_b)] = 1.f / fmaxf(sqrtf(ss), kEps);
+  if (lane == 0) inv[x.out_row(r, inv_b)] = 1.f / fmaxf(sqrtf(ss), kNormEpsF);
 }
 
 // g: the fp32 row sums of both blocks, contiguous [x.rows, dim].
@@ -83,9 +82,9 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   T* outr = out.row(r, dim);
   const float* gr = g + r * dim;
   const float nrm = sqrtf(row_sumsq(xr, dim, lane));
-  const float inv = 1.f / fmaxf(nrm, kEps);
+  const float inv = 1.f / fmaxf(nrm, kNormEpsF);
   float c = 0.f;
-  if (nrm >= kEps) {
+  if (nrm >= kNormEpsF) {
     for (int64_t k = lane; k < dim; k += 32) c = fmaf(to_f<T>(xr[k]) * inv, gr[k], c);
     c = warp_sum(c);
   }
@@ -117,7 +116,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) inv_norms_vec_kernel(RowP
   }
 #pragma unroll
   for (int o = 4; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  if (r < x.rows && l == 0) inv[x.out_row(r, inv_b)] = 1.f / fmaxf(sqrtf(ss), kEps);
+  if (r < x.rows && l == 0) inv[x.out_row(r, inv_b)] = 1.f / fmaxf(sqrtf(ss), kNormEpsF);
 }
 
 inline int64_t rows_of(const at::Tensor& x) { return x.defined() ? x.size(0) : 0; }

@@ -29,6 +29,7 @@
 
 #include "../common/common.cuh"
 #include "../common/smem_opt_in.h"
+#include "normalize_rows.h"  // kNormEpsF
 
 namespace maxsim {
 namespace cuda_fwd {
@@ -437,7 +438,7 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
             v += __shfl_xor_sync(0xffffffffu, v, 2);
 #pragma unroll
             for (int e = 0; e < 2; ++e)
-              cs[jn][e] = 1.f / fmaxf(sqrtf(__shfl_sync(0xffffffffu, v, ((lane & 3) * 2 + e) * 4)), 1e-12f);  // kNormEps
+              cs[jn][e] = 1.f / fmaxf(sqrtf(__shfl_sync(0xffffffffu, v, ((lane & 3) * 2 + e) * 4)), kNormEpsF);
             dss[jn] = 0.f;
           }
         }

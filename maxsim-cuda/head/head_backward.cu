@@ -21,8 +21,6 @@ namespace {
 
 using cuda_fwd::warp_sum;
 
-constexpr float kEps = (float)kNormEps;  // F.normalize's (normalize_rows.h)
-
 constexpr int kWarps = 8;
 
 // Winner (i, j, k): query i, document (or candidate) j of the chunk, query
@@ -75,8 +73,8 @@ __global__ void __launch_bounds__(kWarps * 32) winner_grad_kernel(
 #pragma unroll
         for (int v = 0; v < VPL; ++v) ss += u[v] * u[v];
         const float norm = sqrtf(warp_sum(ss));
-        inv = 1.f / fmaxf(norm, kEps);
-        live = norm > kEps ? 1.f : 0.f;
+        inv = 1.f / fmaxf(norm, kNormEpsF);
+        live = norm > kNormEpsF ? 1.f : 0.f;
 #pragma unroll
         for (int v = 0; v < VPL; ++v) u[v] *= inv;
       }

@@ -19,6 +19,7 @@
 #include "../common/convert.cuh"
 #include "../common/dtype_dispatch.cuh"
 #include "../common/smem_opt_in.h"
+#include "normalize_rows.h"
 #include "plaid_args.h"
 #include "torch_binding.h"
 
@@ -173,7 +174,7 @@ __global__ void __launch_bounds__(kThreads, 4) plaid_forward_kernel(
           }
         }
         ss += __shfl_xor_sync(0xffffffffu, ss, 1);
-        if (par == 0) scale[dt] = normalize ? 1.f / fmaxf(sqrtf(ss), 1e-12f) : 1.f;
+        if (par == 0) scale[dt] = normalize ? 1.f / fmaxf(sqrtf(ss), kNormEpsF) : 1.f;
       }
       __syncthreads();
       float acc[4][4] = {};
@@ -381,7 +382,7 @@ __global__ void plaid_backward_kernel(const float* __restrict__ grad, Codec cd, 
       ss += v[j] * v[j];
     }
     float g = grad[i * nd + n];
-    if (normalize) g *= 1.f / fmaxf(sqrtf(warp_sum(ss)), 1e-12f);
+    if (normalize) g *= 1.f / fmaxf(sqrtf(warp_sum(ss)), kNormEpsF);
 #pragma unroll
     for (int j = 0; j < kBwdSlots; ++j) acc[j] = fmaf(g, v[j], acc[j]);
   }
