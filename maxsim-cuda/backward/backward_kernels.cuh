@@ -50,7 +50,7 @@
 
 #include "../common/convert.cuh"
 #include "../common/pdl.cuh"
-#include "normalize_rows.h"
+#include "../common/normalize_jacobian.cuh"
 
 namespace maxsim {
 namespace cuda_bwd {
@@ -228,15 +228,13 @@ __device__ __forceinline__ void jacobian_row(const T* __restrict__ x_vec, bool o
     float ss = 0.f;
 #pragma unroll
     for (int e = 0; e < VEC; ++e) ss = fmaf(x[e], x[e], ss);
-    const float nrm = sqrtf(group_sum(ss, G));
-    const float inv = 1.f / fmaxf(nrm, kNormEpsF);
+    const NormJacobian jac(group_sum(ss, G));
     float c = 0.f;
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) c = fmaf(x[e] * inv, f[e], c);
-    c = group_sum(c, G);
-    if (!(nrm >= kNormEpsF)) c = 0.f;
+    for (int e = 0; e < VEC; ++e) c = fmaf(x[e] * jac.inv, f[e], c);
+    c = jac.along(group_sum(c, G));
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) f[e] = inv * (f[e] - x[e] * inv * c);
+    for (int e = 0; e < VEC; ++e) f[e] = jac.grad(x[e] * jac.inv, f[e], c);
   }
 }
 

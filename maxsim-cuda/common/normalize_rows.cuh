@@ -22,6 +22,7 @@
 #include "common.cuh"
 #include "convert.cuh"
 #include "dtype_dispatch.cuh"
+#include "normalize_jacobian.cuh"
 #include "normalize_rows.h"
 
 namespace maxsim {
@@ -67,7 +68,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) inv_norms_kernel(RowPair<
   const int lane = threadIdx.x & 31;
   if (r >= x.rows) return;
   const float ss = row_sumsq(x.row(r, dim), dim, lane);
-  if (lane == 0) inv[x.out_row(r, inv_b)] = 1.f / fmaxf(sqrtf(ss), kNormEpsF);
+  if (lane == 0) inv[x.out_row(r, inv_b)] = inv_norm(ss);
 }
 
 // g: the fp32 row sums of both blocks, contiguous [x.rows, dim].
@@ -81,14 +82,13 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   const T* xr = x.row(r, dim);
   T* outr = out.row(r, dim);
   const float* gr = g + r * dim;
-  const float nrm = sqrtf(row_sumsq(xr, dim, lane));
-  const float inv = 1.f / fmaxf(nrm, kNormEpsF);
+  const NormJacobian jac(row_sumsq(xr, dim, lane));
   float c = 0.f;
-  if (nrm >= kNormEpsF) {
-    for (int64_t k = lane; k < dim; k += 32) c = fmaf(to_f<T>(xr[k]) * inv, gr[k], c);
+  if (jac.live) {
+    for (int64_t k = lane; k < dim; k += 32) c = fmaf(to_f<T>(xr[k]) * jac.inv, gr[k], c);
     c = warp_sum(c);
   }
-  for (int64_t k = lane; k < dim; k += 32) outr[k] = from_f<T>(inv * (gr[k] - to_f<T>(xr[k]) * inv * c));
+  for (int64_t k = lane; k < dim; k += 32) outr[k] = from_f<T>(jac.grad(to_f<T>(xr[k]) * jac.inv, gr[k], c));
 }
 
 // 16-byte rows (dim * sizeof(T) % 16 == 0, aligned): 8 lanes per row, each
@@ -116,7 +116,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) inv_norms_vec_kernel(RowP
   }
 #pragma unroll
   for (int o = 4; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  if (r < x.rows && l == 0) inv[x.out_row(r, inv_b)] = 1.f / fmaxf(sqrtf(ss), kNormEpsF);
+  if (r < x.rows && l == 0) inv[x.out_row(r, inv_b)] = inv_norm(ss);
 }
 
 inline int64_t rows_of(const at::Tensor& x) { return x.defined() ? x.size(0) : 0; }

@@ -29,7 +29,7 @@
 
 #include "../common/common.cuh"
 #include "../common/smem_opt_in.h"
-#include "normalize_rows.h"  // kNormEpsF
+#include "../common/normalize_jacobian.cuh"  // inv_norm
 
 namespace maxsim {
 namespace cuda_fwd {
@@ -438,7 +438,7 @@ __global__ void __launch_bounds__(C::NTH, C::MINB) mma_fwd_kernel(FwdParams p, i
             v += __shfl_xor_sync(0xffffffffu, v, 2);
 #pragma unroll
             for (int e = 0; e < 2; ++e)
-              cs[jn][e] = 1.f / fmaxf(sqrtf(__shfl_sync(0xffffffffu, v, ((lane & 3) * 2 + e) * 4)), kNormEpsF);
+              cs[jn][e] = inv_norm(__shfl_sync(0xffffffffu, v, ((lane & 3) * 2 + e) * 4));
             dss[jn] = 0.f;
           }
         }

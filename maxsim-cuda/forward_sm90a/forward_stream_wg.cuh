@@ -233,17 +233,13 @@ __global__ void __launch_bounds__(kStreamWgThreads) stream_wg_kernel(const FwdPa
   cp_async_commit();
 #pragma unroll
   for (int t = 0; t < NST - 1; ++t) stage_in(t);
-  int nst = RunCursor::stages(ldl);  // the CTA's stages
-  if (run) {
-    nst = lane < cnt ? nst : 0;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) nst += __shfl_xor_sync(kAll, nst, o);
-  }
-  // The same in every lane; a warp reduction's result is uniform to the
-  // compiler too, so the stage loop's counter and the wgmma descriptors stay
-  // in uniform registers (from shuffles, every wgmma of a stage's chain
-  // waited on a move of its descriptor there).
-  nst = __reduce_max_sync(kAll, nst);
+  // The CTA's stages: the sum over the run's documents (lane d holds
+  // document d's), or the single pair's (the same in every lane). A warp
+  // reduction's result is uniform to the compiler too, so the stage loop's
+  // counter and the wgmma descriptors stay in uniform registers (from
+  // shuffles, every wgmma of a stage's chain waited on a move of its
+  // descriptor there).
+  const int nst = (int)__reduce_add_sync(kAll, (run ? lane < cnt : lane == 0) ? RunCursor::stages(ldl) : 0);
 
   float best[NA / 2];
   int bidx[NA / 2];

@@ -13,7 +13,7 @@
 #include "../common/convert.cuh"
 #include "../common/dtype_dispatch.cuh"
 #include "../common/pdl.cuh"
-#include "normalize_rows.h"
+#include "../common/normalize_jacobian.cuh"
 #include "torch_binding.h"
 
 namespace maxsim {
@@ -67,16 +67,14 @@ __global__ void __launch_bounds__(kWarps * 32) winner_grad_kernel(
         const int e = lane + 32 * v;
         u[v] = e < d_out ? cuda_cvt::to_f(unit[row + e]) : 0.f;
       }
-      float inv = 1.f, live = 1.f;
+      NormJacobian jac(1.f);  // the identity unless normalize
       if (normalize) {  // rows as the forward scored them
         float ss = 0.f;
 #pragma unroll
         for (int v = 0; v < VPL; ++v) ss += u[v] * u[v];
-        const float norm = sqrtf(warp_sum(ss));
-        inv = 1.f / fmaxf(norm, kNormEpsF);
-        live = norm > kNormEpsF ? 1.f : 0.f;
+        jac = NormJacobian(warp_sum(ss));
 #pragma unroll
-        for (int v = 0; v < VPL; ++v) u[v] *= inv;
+        for (int v = 0; v < VPL; ++v) u[v] *= jac.inv;
       }
 #pragma unroll
       for (int v = 0; v < VPL; ++v) dq[v] += w * u[v];
@@ -84,13 +82,13 @@ __global__ void __launch_bounds__(kWarps * 32) winner_grad_kernel(
       float g[VPL];
 #pragma unroll
       for (int v = 0; v < VPL; ++v) g[v] = w * qv[v];
-      if (normalize) {  // the Jacobian of x / max(|x|, eps): (g - u <u, g>) / |x|
+      if (normalize) {  // the Jacobian of x / max(|x|, eps)
         float along = 0.f;
 #pragma unroll
-        for (int v = 0; v < VPL; ++v) along += u[v] * g[v];
-        along = warp_sum(along) * live;
+        for (int v = 0; v < VPL; ++v) along = fmaf(u[v], g[v], along);
+        along = jac.along(warp_sum(along));
 #pragma unroll
-        for (int v = 0; v < VPL; ++v) g[v] = (g[v] - u[v] * along) * inv;
+        for (int v = 0; v < VPL; ++v) g[v] = jac.grad(u[v], g[v], along);
       }
 #pragma unroll
       for (int v = 0; v < VPL; ++v) {

@@ -58,7 +58,7 @@
 #include "../common/pdl.cuh"
 #include "../forward_sm90a/forward_stream_wg.cuh"  // WgMmaSs (both operands from shared memory)
 #include "../forward_sm90a/forward_wgmma.cuh"     // WgMma (RS), wg_desc, mbarrier / TMA helpers
-#include "normalize_rows.h"                       // kNormEpsF
+#include "../common/normalize_jacobian.cuh"        // inv_norm
 
 namespace maxsim {
 namespace head {
@@ -194,7 +194,7 @@ __device__ __forceinline__ void head_epilogue(const HeadParams& p, float* acc, i
     for (int h = 0; h < 2; ++h) {
       ss[h] += __shfl_xor_sync(0xffffffffu, ss[h], 1);
       ss[h] += __shfl_xor_sync(0xffffffffu, ss[h], 2);
-      ss[h] = 1.f / fmaxf(sqrtf(ss[h]), kNormEpsF);
+      ss[h] = inv_norm(ss[h]);
     }
 #pragma unroll
     for (int j = 0; j < 16; ++j)

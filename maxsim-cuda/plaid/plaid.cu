@@ -19,7 +19,7 @@
 #include "../common/convert.cuh"
 #include "../common/dtype_dispatch.cuh"
 #include "../common/smem_opt_in.h"
-#include "normalize_rows.h"
+#include "../common/normalize_jacobian.cuh"
 #include "plaid_args.h"
 #include "torch_binding.h"
 
@@ -174,7 +174,7 @@ __global__ void __launch_bounds__(kThreads, 4) plaid_forward_kernel(
           }
         }
         ss += __shfl_xor_sync(0xffffffffu, ss, 1);
-        if (par == 0) scale[dt] = normalize ? 1.f / fmaxf(sqrtf(ss), kNormEpsF) : 1.f;
+        if (par == 0) scale[dt] = normalize ? inv_norm(ss) : 1.f;
       }
       __syncthreads();
       float acc[4][4] = {};
@@ -382,7 +382,7 @@ __global__ void plaid_backward_kernel(const float* __restrict__ grad, Codec cd, 
       ss += v[j] * v[j];
     }
     float g = grad[i * nd + n];
-    if (normalize) g *= 1.f / fmaxf(sqrtf(warp_sum(ss)), kNormEpsF);
+    if (normalize) g *= inv_norm(warp_sum(ss));
 #pragma unroll
     for (int j = 0; j < kBwdSlots; ++j) acc[j] = fmaf(g, v[j], acc[j]);
   }
