@@ -78,13 +78,14 @@ def test_benchmark_train_kernels(ms, name, arch, sms):
 @pytest.mark.parametrize("arch,sms", [(90, 132), (80, 108)], ids=["sm90a-132", "sm80-108"])
 def test_benchmark_grouped_train_kernels(ms, name, arch, sms):
     # Per-query candidates with the argmax the backward needs: the staged
-    # wgmma stream on sm_90a (one pair per CTA); elsewhere 32 query rows per
-    # pair take the 32x64 mma.sync tiles (the mma.sync stream keeps no
-    # argmax), several documents per CTA.
+    # wgmma stream on sm_90a (one pair per CTA; 512 pairs, 1.3 waves: runs
+    # of two); elsewhere 32 query rows per pair take the 32x64 mma.sync
+    # tiles (the mma.sync stream keeps no argmax), several documents per CTA.
     nq, k, lq, ld = TRAIN_GROUPED[name]
     p = plan(ms, GROUPED, nq, nq * k, lq, ld, arch=arch, sms=sms, argmax=True)
     if arch == 90:
-        assert (p["family"], p["nq"], p["grid"]) == ("stream_wg", 32, nq * k), p
+        run = 2 if nq * k == 512 else 0
+        assert (p["family"], p["nq"], p["run"], p["grid"]) == ("stream_wg", 32, run, nq * k // max(run, 1)), p
         return
     assert (p["family"], p["cfg"], p["bm"], p["row_mode"]) == ("mma", 0, 32, 0), p
     assert p["dpc"] >= 1 and p["items"] * p["dpc"] >= nq * k, p
@@ -278,6 +279,16 @@ def test_stream_wg_run_rules(ms):
     assert p["grid"] == 64 * -(-1000 // p["run"]), p
     p = plan(ms, GROUPED, 64, 64000, 32, 100, argmax=True)
     assert p["family"] == "stream_wg" and p["run"] >= 2, p
+    # Between one wave of pairs (396 CTAs of 256-byte rows on 132 SMs) and
+    # 4/3 of one, any document length: runs of two in one wave.
+    for layout, nq, nd, lq, ld, argmax in ((GROUPED, 64, 512, 32, 180, True), (GROUPED, 64, 512, 32, 300, False),
+                                           (GROUPED, 50, 500, 32, 256, False), (GROUPED, 7, 525, 32, 180, True),
+                                           (CROSS, 1, 500, 32, 512, False)):
+        p = plan(ms, layout, nq, nd, lq, ld, argmax=argmax)
+        rpg = -(-(nd // nq) // 2)
+        assert (p["family"], p["run"], p["grid"]) == ("stream_wg", 2, nq * rpg), (nq, nd, ld, p)
+    for nd in (396, 600, 640):
+        assert plan(ms, GROUPED, 8, 8 * (nd // 8), 32, 180, argmax=True)["run"] == 0, nd
     # Not: longer documents, few pairs, pair lists, sm_80; one query's
     # documents of up to 128 tokens and <= 32 query rows without the argmax,
     # and short documents: the register stream.
