@@ -386,6 +386,11 @@ inline int64_t gsz_of(const Request& r) {
 struct Runs {
   int64_t run = 0, rpg = 0, count = 0;  // pairs a run, runs a group, runs in all
 };
+// Runs of `run` pairs over every group (the last run of a group may be shorter).
+inline Runs runs_of(const Request& r, int64_t run) {
+  const int64_t gsz = gsz_of(r), groups = (r.P + gsz - 1) / gsz, rpg = (gsz + run - 1) / run;
+  return {run, rpg, groups * rpg};
+}
 inline Runs whole_wave_runs(const Request& r, int64_t slots, int64_t run_max, bool forced) {
   const int64_t gsz = gsz_of(r), groups = (r.P + gsz - 1) / gsz;
   const int64_t waves = std::max<int64_t>(2, (r.P + slots * run_max - 1) / (slots * run_max));
@@ -393,8 +398,7 @@ inline Runs whole_wave_runs(const Request& r, int64_t slots, int64_t run_max, bo
   int64_t run = forced ? run_max : (gsz + rpg_fit - 1) / rpg_fit;
   run = std::max<int64_t>(1, std::min<int64_t>({run, run_max, gsz}));
   if (!forced && run < 2) return {};
-  const int64_t rpg = (gsz + run - 1) / run;
-  return {run, rpg, groups * rpg};
+  return runs_of(r, run);
 }
 
 // The staged wgmma stream's runs of pairs (one CTA a run of consecutive
@@ -409,14 +413,9 @@ inline int64_t plan_stream_wg_runs(StreamWgPlan& w, const Request& r, int64_t me
   const bool layout_ok = (r.layout == kCross && r.Nq == 1) || r.layout == kGrouped;
   if (!layout_ok || r.force_run < 0 || r.P > std::numeric_limits<int32_t>::max()) return r.P;
   const bool forced = r.force == Family::kStreamWg && r.force_run > 0;
-  const int64_t gsz = gsz_of(r);
-  if (!forced && r.P > wave && 3 * r.P <= 4 * wave && gsz >= 2) {
-    w.run = 2;
-    w.rpg = (gsz + 1) / 2;
-    return (r.P + gsz - 1) / gsz * w.rpg;
-  }
-  if (!forced && (mean_ld > kStreamWgRunMaxMeanLd || r.P < 4 * wave)) return r.P;
-  const Runs runs = whole_wave_runs(r, wave, kStreamWgRunMax, forced);
+  const bool one_wave_of_twos = !forced && r.P > wave && 3 * r.P <= 4 * wave && gsz_of(r) >= 2;
+  if (!one_wave_of_twos && !forced && (mean_ld > kStreamWgRunMaxMeanLd || r.P < 4 * wave)) return r.P;
+  const Runs runs = one_wave_of_twos ? runs_of(r, 2) : whole_wave_runs(r, wave, kStreamWgRunMax, forced);
   if (runs.run == 0) return r.P;
   w.run = (int)runs.run;
   w.rpg = runs.rpg;

@@ -22,11 +22,8 @@ struct NormJacobian {
   bool live;  // |x| >= eps: the norm depends on x
 
   // From the row's sum of squares.
-  __device__ __forceinline__ explicit NormJacobian(float sumsq) {
-    const float nrm = sqrtf(sumsq);
-    inv = 1.f / fmaxf(nrm, kNormEpsF);
-    live = nrm >= kNormEpsF;
-  }
+  __device__ __forceinline__ explicit NormJacobian(float sumsq)
+      : inv(inv_norm(sumsq)), live(sqrtf(sumsq) >= kNormEpsF) {}
   // c of grad from the row's <x^, g>.
   __device__ __forceinline__ float along(float xhat_dot_g) const { return live ? xhat_dot_g : 0.f; }
   // One element: x^ and g of the element, c = along(<x^, g>).
