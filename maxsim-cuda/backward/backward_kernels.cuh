@@ -144,6 +144,7 @@ struct Vec<float, 4> {
   static __device__ __forceinline__ raw_t zero() { return make_uint4(0u, 0u, 0u, 0u); }
   static __device__ __forceinline__ raw_t load(const float* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
   static __device__ __forceinline__ void store(float* p, raw_t v) { *reinterpret_cast<uint4*>(p) = v; }
+  static __device__ __forceinline__ void store_evict_first(float* p, raw_t v) { __stcs(reinterpret_cast<uint4*>(p), v); }
   static __device__ __forceinline__ void unpack(raw_t v, float (&f)[4]) {
     f[0] = __uint_as_float(v.x);
     f[1] = __uint_as_float(v.y);
@@ -161,6 +162,7 @@ struct Vec16x8 {  // 8 x 16-bit
   static __device__ __forceinline__ raw_t zero() { return make_uint4(0u, 0u, 0u, 0u); }
   static __device__ __forceinline__ raw_t load(const T* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
   static __device__ __forceinline__ void store(T* p, raw_t v) { *reinterpret_cast<uint4*>(p) = v; }
+  static __device__ __forceinline__ void store_evict_first(T* p, raw_t v) { __stcs(reinterpret_cast<uint4*>(p), v); }
   static __device__ __forceinline__ void unpack(raw_t v, float (&f)[8]) {
     unpack2<T>(v.x, f[0], f[1]);
     unpack2<T>(v.y, f[2], f[3]);
@@ -182,6 +184,7 @@ struct Vec<T, 1> {  // scalar fallback (rows not 16-byte aligned)
   static __device__ __forceinline__ raw_t zero() { return from_f<T>(0.f); }
   static __device__ __forceinline__ raw_t load(const T* p) { return *p; }
   static __device__ __forceinline__ void store(T* p, raw_t v) { *p = v; }
+  static __device__ __forceinline__ void store_evict_first(T* p, raw_t v) { *p = v; }
   static __device__ __forceinline__ void unpack(raw_t v, float (&f)[1]) { f[0] = to_f<T>(v); }
   static __device__ __forceinline__ raw_t pack(const float (&f)[1]) { return from_f<T>(f[0]); }
 };
@@ -240,14 +243,23 @@ __device__ __forceinline__ void jacobian_row(const T* __restrict__ x_vec, bool o
 
 // One lane's VEC fp32 values stored to an output row: packed to T, or as
 // fp32 (O = float, the row sums of normalize; 16-byte aligned when VEC >= 4).
-template <class O, int VEC>
+// kEvictFirst: st.global.cs, the lines first out of L2 (see dd_one_pair_cta).
+template <class O, int VEC, bool kEvictFirst = false>
 __device__ __forceinline__ void store_out(O* __restrict__ p, const float (&f)[VEC]) {
   if constexpr (!std::is_same<O, float>::value) {
-    Vec<O, VEC>::store(p, Vec<O, VEC>::pack(f));
+    if constexpr (kEvictFirst)
+      Vec<O, VEC>::store_evict_first(p, Vec<O, VEC>::pack(f));
+    else
+      Vec<O, VEC>::store(p, Vec<O, VEC>::pack(f));
   } else if constexpr (VEC % 4 == 0) {
 #pragma unroll
-    for (int h = 0; h < VEC / 4; ++h)
-      reinterpret_cast<float4*>(p)[h] = make_float4(f[4 * h], f[4 * h + 1], f[4 * h + 2], f[4 * h + 3]);
+    for (int h = 0; h < VEC / 4; ++h) {
+      const float4 v = make_float4(f[4 * h], f[4 * h + 1], f[4 * h + 2], f[4 * h + 3]);
+      if constexpr (kEvictFirst)
+        __stcs(reinterpret_cast<float4*>(p) + h, v);
+      else
+        reinterpret_cast<float4*>(p)[h] = v;
+    }
   } else {
 #pragma unroll
     for (int e = 0; e < VEC; ++e) p[e] = f[e];
@@ -284,27 +296,27 @@ __device__ __forceinline__ void seg_gap(const int* __restrict__ start, int rows,
 }
 
 // Zeroes rows first, first + stride, ... of [r0, r1) (vector column `col`).
-template <class O, int VEC>
+template <class O, int VEC, bool kEvictFirst>
 __device__ __forceinline__ void zero_rows(O* __restrict__ out, int64_t dim, int64_t r0, int64_t r1, int64_t first,
                                           int64_t stride, int64_t col, bool vok) {
   if (!vok) return;
   float z[VEC];
 #pragma unroll
   for (int e = 0; e < VEC; ++e) z[e] = 0.f;
-  for (int64_t r = r0 + first; r < r1; r += stride) store_out<O, VEC>(out + r * dim + col, z);
+  for (int64_t r = r0 + first; r < r1; r += stride) store_out<O, VEC, kEvictFirst>(out + r * dim + col, z);
 }
 
 // Zeroes the gap of segment n (and the prefix before segment 0), rows split
 // over `nparts` CTAs (this one: `part`) and NG groups (this one: gi).
-template <class O, int VEC>
+template <class O, int VEC, bool kEvictFirst = false>
 __device__ __forceinline__ void zero_gap(O* __restrict__ out, const int* __restrict__ start, int rows, int64_t n,
                                          int64_t N, int64_t total, int64_t dim, int part, int nparts, int gi, int NG,
                                          int64_t col, bool vok) {
   int64_t z0, z1;
   seg_gap(start, rows, n, N, total, z0, z1);
   const int64_t first = part + (int64_t)gi * nparts, stride = (int64_t)NG * nparts;
-  zero_rows<O, VEC>(out, dim, z0, z1, first, stride, col, vok);
-  if (n == 0) zero_rows<O, VEC>(out, dim, 0, clamp_row(start[0], total), first, stride, col, vok);
+  zero_rows<O, VEC, kEvictFirst>(out, dim, z0, z1, first, stride, col, vok);
+  if (n == 0) zero_rows<O, VEC, kEvictFirst>(out, dim, 0, clamp_row(start[0], total), first, stride, col, vok);
 }
 
 // CROSS / GROUPED pair k of query n is n * positional_stride(p) + k.
@@ -848,7 +860,10 @@ __device__ __forceinline__ void dd_cta(const BwdParams& p, int64_t item) {
 // row part c of C, dim chunk); the pair's lq (argmax row, grad x scale)
 // entries are staged once, then each lane group writes its rows straight
 // from registers: per row a warp ballot over the entries finds the hits,
-// summed in entry order (the order dd_cta uses), zeros elsewhere.
+// summed in entry order (the order dd_cta uses), zeros elsewhere. The rows
+// are stored evict-first: written once, they would otherwise push the
+// documents out of L2, and the next step's forward (candidates that fit L2
+// stay there between calls) would pay for both.
 // Dynamic shared memory: dd_one_pair_smem(lq).
 constexpr int kMaxOnePairLq = 4 * kThreads;  // query rows of the one-pair dd (entries staged in one pass)
 __host__ __device__ constexpr size_t dd_one_pair_smem(int64_t lq) { return (size_t)((lq + 31) / 32 * 32) * 8; }
@@ -932,10 +947,10 @@ __device__ __forceinline__ void dd_one_pair_cta(const BwdParams& p, int64_t item
     }
     const bool own = r < rows && vok;
     jacobian_row<T, O, VEC>(static_cast<const T*>(p.d) + (ds + (own ? r : 0)) * dim + col, own, G, f);
-    if (own) store_out<out_t<O>, VEC>(out + (ds + r) * dim + col, f);
+    if (own) store_out<out_t<O>, VEC, true>(out + (ds + r) * dim + col, f);
   }
 
-  zero_gap<out_t<O>, VEC>(out, p.d_start, drows, j, p.Nd, p.Td, dim, c, p.C, gi, NG, col, vok);
+  zero_gap<out_t<O>, VEC, true>(out, p.d_start, drows, j, p.Nd, p.Td, dim, c, p.C, gi, NG, col, vok);
 }
 
 // Launch forms: CTAs item0 + blockIdx.x of one kind (one gradient needed),
