@@ -860,10 +860,10 @@ __device__ __forceinline__ void dd_cta(const BwdParams& p, int64_t item) {
 // row part c of C, dim chunk); the pair's lq (argmax row, grad x scale)
 // entries are staged once, then each lane group writes its rows straight
 // from registers: per row a warp ballot over the entries finds the hits,
-// summed in entry order (the order dd_cta uses), zeros elsewhere. The rows
-// are stored evict-first: written once, they would otherwise push the
-// documents out of L2, and the next step's forward (candidates that fit L2
-// stay there between calls) would pay for both.
+// summed in entry order (the order dd_cta uses), zeros elsewhere. The
+// gradient rows are stored evict-first: written once, they would otherwise
+// push the documents out of L2, and the next step's forward (candidates
+// that fit L2 stay there between calls) would pay for both.
 // Dynamic shared memory: dd_one_pair_smem(lq).
 constexpr int kMaxOnePairLq = 4 * kThreads;  // query rows of the one-pair dd (entries staged in one pass)
 __host__ __device__ constexpr size_t dd_one_pair_smem(int64_t lq) { return (size_t)((lq + 31) / 32 * 32) * 8; }
@@ -884,6 +884,9 @@ __device__ __forceinline__ void dd_one_pair_cta(const BwdParams& p, int64_t item
   const T* __restrict__ qsrc = static_cast<const T*>(p.q);
   const A* __restrict__ am = static_cast<const A*>(p.argmax);
   out_t<O>* __restrict__ out = static_cast<out_t<O>*>(p.dd);
+  // The gradient goes out evict-first; normalize's fp32 row sums of 16-bit
+  // tokens (O = float) stay in L2 for the Jacobian pass that reads them next.
+  constexpr bool kFinal = !(std::is_same<O, float>::value && !std::is_same<T, float>::value);
   int* e_row = reinterpret_cast<int*>(smem);       // [lq32] document row hit by entry i, -1: none
   float* e_g = reinterpret_cast<float*>(e_row + lq32);  // [lq32] its grad (x the query row's scale)
 
@@ -947,10 +950,10 @@ __device__ __forceinline__ void dd_one_pair_cta(const BwdParams& p, int64_t item
     }
     const bool own = r < rows && vok;
     jacobian_row<T, O, VEC>(static_cast<const T*>(p.d) + (ds + (own ? r : 0)) * dim + col, own, G, f);
-    if (own) store_out<out_t<O>, VEC, true>(out + (ds + r) * dim + col, f);
+    if (own) store_out<out_t<O>, VEC, kFinal>(out + (ds + r) * dim + col, f);
   }
 
-  zero_gap<out_t<O>, VEC, true>(out, p.d_start, drows, j, p.Nd, p.Td, dim, c, p.C, gi, NG, col, vok);
+  zero_gap<out_t<O>, VEC, kFinal>(out, p.d_start, drows, j, p.Nd, p.Td, dim, c, p.C, gi, NG, col, vok);
 }
 
 // Launch forms: CTAs item0 + blockIdx.x of one kind (one gradient needed),
