@@ -184,7 +184,7 @@ struct Vec<T, 1> {  // scalar fallback (rows not 16-byte aligned)
   static __device__ __forceinline__ raw_t zero() { return from_f<T>(0.f); }
   static __device__ __forceinline__ raw_t load(const T* p) { return *p; }
   static __device__ __forceinline__ void store(T* p, raw_t v) { *p = v; }
-  static __device__ __forceinline__ void store_evict_first(T* p, raw_t v) { *p = v; }
+  static __device__ __forceinline__ void store_evict_first(T* p, raw_t v) { *p = v; }  // plain: 16-bit scalars
   static __device__ __forceinline__ void unpack(raw_t v, float (&f)[1]) { f[0] = to_f<T>(v); }
   static __device__ __forceinline__ raw_t pack(const float (&f)[1]) { return from_f<T>(f[0]); }
 };
@@ -243,7 +243,8 @@ __device__ __forceinline__ void jacobian_row(const T* __restrict__ x_vec, bool o
 
 // One lane's VEC fp32 values stored to an output row: packed to T, or as
 // fp32 (O = float, the row sums of normalize; 16-byte aligned when VEC >= 4).
-// kEvictFirst: st.global.cs, the lines first out of L2 (see dd_one_pair_cta).
+// kEvictFirst: st.global.cs, the lines first out of L2 (see dd_one_pair_cta);
+// scalar rows (VEC 1) store plainly either way.
 template <class O, int VEC, bool kEvictFirst = false>
 __device__ __forceinline__ void store_out(O* __restrict__ p, const float (&f)[VEC]) {
   if constexpr (!std::is_same<O, float>::value) {
