@@ -184,7 +184,7 @@ struct Vec<T, 1> {  // scalar fallback (rows not 16-byte aligned)
   static __device__ __forceinline__ raw_t zero() { return from_f<T>(0.f); }
   static __device__ __forceinline__ raw_t load(const T* p) { return *p; }
   static __device__ __forceinline__ void store(T* p, raw_t v) { *p = v; }
-  static __device__ __forceinline__ void store_evict_first(T* p, raw_t v) { *p = v; }  // plain: 16-bit scalars
+  static __device__ __forceinline__ void store_evict_first(T* p, raw_t v) { *p = v; }  // plain, as store
   static __device__ __forceinline__ void unpack(raw_t v, float (&f)[1]) { f[0] = to_f<T>(v); }
   static __device__ __forceinline__ raw_t pack(const float (&f)[1]) { return from_f<T>(f[0]); }
 };
