@@ -330,13 +330,14 @@ __global__ void __launch_bounds__(kPackedThreads, 2) packed_fwd_kernel(FwdParams
   // (xor 4, 8, 16) its rows span: log2(min(R, 8)).
   const int rows_in_lane = R >= 32 ? 4 : R == 16 ? 2 : 1;
   const int lane_levels = R >= 8 ? 3 : R == 4 ? 2 : R == 2 ? 1 : 0;
+  const int lg_rows = __ffs(R) - 1;  // R is a power of two: slot = row >> lg_rows
 
   // Epilogue of one tile of documents of one length (umode LG): the lane's
   // 16 columns hold 16 >> LG whole documents (LG <= 4), half of one (5), a
   // quarter (6), or a quarter of a tile of one (7: the maxima carry over the
   // document's tiles in cb). The same maxima and sums, in the same order, as
   // the segmented scan below.
-  auto uniform_epilogue = [&](const float(&acc)[MT][NT][4], uint32_t v16, int ch, auto lg_c) {
+  auto uniform_epilogue = [&](const float(&acc)[MT][NT][4], int ch, auto lg_c) {
     constexpr int LG = decltype(lg_c)::value;
     constexpr int N = LG <= 4 ? 16 >> LG : 1;  // documents per lane
     constexpr int SPAN = LG <= 4 ? 1 << LG : 16;
@@ -352,7 +353,7 @@ __global__ void __launch_bounds__(kPackedThreads, 2) packed_fwd_kernel(FwdParams
       for (int h = 0; h < 2; ++h) {
         float v[16];
 #pragma unroll
-        for (int k = 0; k < 16; ++k) v[k] = (v16 >> k) & 1u ? acc[i][k >> 1][h * 2 + (k & 1)] : neg_inf();
+        for (int k = 0; k < 16; ++k) v[k] = acc[i][k >> 1][h * 2 + (k & 1)];
 #pragma unroll
         for (int s = 1; s < SPAN; s *= 2)
 #pragma unroll
@@ -367,10 +368,12 @@ __global__ void __launch_bounds__(kPackedThreads, 2) packed_fwd_kernel(FwdParams
 #pragma unroll
         for (int d = 0; d < N; ++d) ps[d] += rc[i][h] && v[d * SPAN] != neg_inf() ? v[d * SPAN] : 0.f;
         if ((i * 2 + h + 1) % rows_in_lane != 0) continue;
-        for (int l = 0; l < lane_levels; ++l)
 #pragma unroll
-          for (int d = 0; d < N; ++d) ps[d] += __shfl_xor_sync(0xffffffffu, ps[d], 4 << l);
-        const int slot = (warp * 32 + i * 16 + h * 8 + g) / R;
+        for (int l = 0; l < 3; ++l)
+          if (l < lane_levels)
+#pragma unroll
+            for (int d = 0; d < N; ++d) ps[d] += __shfl_xor_sync(0xffffffffu, ps[d], 4 << l);
+        const int slot = (warp * 32 + i * 16 + h * 8 + g) >> lg_rows;
         if (writer && slot_live(slot))
 #pragma unroll
           for (int d = 0; d < N; ++d) {
@@ -454,17 +457,28 @@ __global__ void __launch_bounds__(kPackedThreads, 2) packed_fwd_kernel(FwdParams
 #endif
 
     const int ts = t_cur;
+    // Columns that do not count (masked, past the stream) become -inf here,
+    // off the common path: the epilogues read the accumulators as they are.
     const uint32_t v16 = (col_bits[ts][2][q >> 1] >> (16 * (q & 1))) & 0xffffu;
+    if (v16 != 0xffffu) {
+#pragma unroll
+      for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int k = 0; k < 16; ++k)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            if (!((v16 >> k) & 1u)) acc[i][k >> 1][h * 2 + (k & 1)] = neg_inf();
+    }
     if (umode >= 0) {
       switch (umode) {
-        case 0: uniform_epilogue(acc, v16, ch, std::integral_constant<int, 0>{}); break;
-        case 1: uniform_epilogue(acc, v16, ch, std::integral_constant<int, 1>{}); break;
-        case 2: uniform_epilogue(acc, v16, ch, std::integral_constant<int, 2>{}); break;
-        case 3: uniform_epilogue(acc, v16, ch, std::integral_constant<int, 3>{}); break;
-        case 4: uniform_epilogue(acc, v16, ch, std::integral_constant<int, 4>{}); break;
-        case 5: uniform_epilogue(acc, v16, ch, std::integral_constant<int, 5>{}); break;
-        case 6: uniform_epilogue(acc, v16, ch, std::integral_constant<int, 6>{}); break;
-        default: uniform_epilogue(acc, v16, ch, std::integral_constant<int, 7>{}); break;
+        case 0: uniform_epilogue(acc, ch, std::integral_constant<int, 0>{}); break;
+        case 1: uniform_epilogue(acc, ch, std::integral_constant<int, 1>{}); break;
+        case 2: uniform_epilogue(acc, ch, std::integral_constant<int, 2>{}); break;
+        case 3: uniform_epilogue(acc, ch, std::integral_constant<int, 3>{}); break;
+        case 4: uniform_epilogue(acc, ch, std::integral_constant<int, 4>{}); break;
+        case 5: uniform_epilogue(acc, ch, std::integral_constant<int, 5>{}); break;
+        case 6: uniform_epilogue(acc, ch, std::integral_constant<int, 6>{}); break;
+        default: uniform_epilogue(acc, ch, std::integral_constant<int, 7>{}); break;
       }
       continue;
     }
@@ -493,7 +507,7 @@ __global__ void __launch_bounds__(kPackedThreads, 2) packed_fwd_kernel(FwdParams
         int bi = -1;
 #pragma unroll
         for (int k = 0; k < 16; ++k) {
-          const float v = (v16 >> k) & 1u ? acc[i][k >> 1][h * 2 + (k & 1)] : neg_inf();
+          const float v = acc[i][k >> 1][h * 2 + (k & 1)];
           if ((st16 >> k) & 1u) {
             b = neg_inf();
             bi = -1;
@@ -524,7 +538,7 @@ __global__ void __launch_bounds__(kPackedThreads, 2) packed_fwd_kernel(FwdParams
         cb[i][h] = run_b;
         ci[i][h] = run_i;
         const int row = warp * 32 + i * 16 + h * 8 + g;
-        const int slot = row / R, qi = row - slot * R;
+        const int slot = row >> lg_rows, qi = row & (R - 1);
         const bool live = slot_live(slot);
 #pragma unroll
         for (int k = 0; k < 16; ++k) {
