@@ -262,15 +262,20 @@ __global__ void __launch_bounds__(kPackedThreads, 2) packed_fwd_kernel(FwdParams
   };
   // cp.async of the tile whose table is in slot ts into ring stage `stage`,
   // permuted (packed_stream_col); columns past the stream: zeros.
+  // This thread copies unit uc of rows r0 + k * RSTEP: as RSTEP is a multiple
+  // of 8, their stream columns and tile offsets step by constants from row r0's.
+  static_assert(RSTEP % 8 == 0, "rows of one thread keep their swizzle phase");
+  const int r0 = tid / UPR, uc = tid % UPR;
+  const int scol0 = packed_stream_col(r0);
+  const uint32_t dst0 = packed_tile_swz<RB>(r0, uc), dstep = packed_tile_swz<RB>(r0 + RSTEP, uc) - dst0;
+  const unsigned char* const dsrc = reinterpret_cast<const unsigned char*>(p.d) + uc * 16;
   auto issue = [&](int ts, int stage) {
-    const uint32_t dst = ring + (uint32_t)(stage * BN * RB);
-    const int uc = tid % UPR;
+    const uint32_t dst = ring + (uint32_t)(stage * BN * RB) + dst0;
 #pragma unroll
-    for (int r = tid / UPR; r < BN; r += RSTEP) {
-      const int tok = col_tok[ts][packed_stream_col(r)];
-      const bool ok = tok >= 0;
-      cp_async<16>(dst + packed_tile_swz<RB>(r, uc), ok ? (const void*)(p.d + (int64_t)tok * RB + uc * 16) : (const void*)p.d,
-                   ok);
+    for (int k = 0; k < BN / RSTEP; ++k) {
+      const int tok = col_tok[ts][scol0 + k * (RSTEP / 4)];
+      const bool ok = tok >= 0;  // else zero-filled: nothing is read
+      cp_async<16>(dst + k * dstep, dsrc + (int64_t)(ok ? tok : 0) * RB, ok);
     }
   };
 
@@ -404,7 +409,10 @@ __global__ void __launch_bounds__(kPackedThreads, 2) packed_fwd_kernel(FwdParams
     // warp's 32 rows (A: the warp's fragments, as for mma.sync; B: the
     // tile), running while the next tile's copies and table are issued.
     {
-      const uint32_t stage = ring + (uint32_t)(s_cur * BN * RB);
+      // k step ks starts (ks >> 2) column blocks and (ks & 3) 32-byte steps
+      // into the stage: added to the descriptor's address field (bytes / 16;
+      // shared addresses stay below its 2^18-byte range).
+      const uint64_t stage_desc = wg_desc(ring + (uint32_t)(s_cur * BN * RB));
 #pragma unroll
       for (int i = 0; i < MT; ++i) wg_fence_acc<NT * 4>(&acc[i][0][0]);
       wg_fence();
@@ -412,7 +420,7 @@ __global__ void __launch_bounds__(kPackedThreads, 2) packed_fwd_kernel(FwdParams
       for (int ks = 0; ks < KS; ++ks)
 #pragma unroll
         for (int i = 0; i < MT; ++i)
-          WgMma<T>::n64(&acc[i][0][0], af[ks][i], wg_desc(stage + (uint32_t)((ks >> 2) * BN * 128 + (ks & 3) * 32)),
+          WgMma<T>::n64(&acc[i][0][0], af[ks][i], stage_desc + (uint64_t)(((ks >> 2) * BN * 128 + (ks & 3) * 32) >> 4),
                         ks != 0);
       wg_commit();
     }
