@@ -260,8 +260,6 @@ __global__ void __launch_bounds__(kPackedThreads, 2) packed_fwd_kernel(FwdParams
     const uint32_t vb = __ballot_sync(0xffffffffu, m);
     if (lane == 0) col_bits[ts][2][warp] = vb;
   };
-  // cp.async of the tile whose table is in slot ts into ring stage `stage`,
-  // permuted (packed_stream_col); columns past the stream: zeros.
   // This thread copies unit uc of rows r0 + k * RSTEP: as RSTEP is a multiple
   // of 8, their stream columns and tile offsets step by constants from row r0's.
   static_assert(RSTEP % 8 == 0, "rows of one thread keep their swizzle phase");
@@ -269,6 +267,8 @@ __global__ void __launch_bounds__(kPackedThreads, 2) packed_fwd_kernel(FwdParams
   const int scol0 = packed_stream_col(r0);
   const uint32_t dst0 = packed_tile_swz<RB>(r0, uc), dstep = packed_tile_swz<RB>(r0 + RSTEP, uc) - dst0;
   const unsigned char* const dsrc = reinterpret_cast<const unsigned char*>(p.d) + uc * 16;
+  // cp.async of the tile whose table is in slot ts into ring stage `stage`,
+  // permuted (packed_stream_col); columns past the stream: zeros.
   auto issue = [&](int ts, int stage) {
     const uint32_t dst = ring + (uint32_t)(stage * BN * RB) + dst0;
 #pragma unroll
