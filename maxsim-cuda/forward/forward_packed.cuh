@@ -410,8 +410,7 @@ __global__ void __launch_bounds__(kPackedThreads, 2) packed_fwd_kernel(FwdParams
     // tile), running while the next tile's copies and table are issued.
     {
       // k step ks starts (ks >> 2) column blocks and (ks & 3) 32-byte steps
-      // into the stage: added to the descriptor's address field (bytes / 16;
-      // shared addresses stay below its 2^18-byte range).
+      // into the stage.
       const uint64_t stage_desc = wg_desc(ring + (uint32_t)(s_cur * BN * RB));
 #pragma unroll
       for (int i = 0; i < MT; ++i) wg_fence_acc<NT * 4>(&acc[i][0][0]);
@@ -420,7 +419,7 @@ __global__ void __launch_bounds__(kPackedThreads, 2) packed_fwd_kernel(FwdParams
       for (int ks = 0; ks < KS; ++ks)
 #pragma unroll
         for (int i = 0; i < MT; ++i)
-          WgMma<T>::n64(&acc[i][0][0], af[ks][i], stage_desc + (uint64_t)(((ks >> 2) * BN * 128 + (ks & 3) * 32) >> 4),
+          WgMma<T>::n64(&acc[i][0][0], af[ks][i], wg_desc_advance(stage_desc, (uint32_t)((ks >> 2) * BN * 128 + (ks & 3) * 32)),
                         ks != 0);
       wg_commit();
     }

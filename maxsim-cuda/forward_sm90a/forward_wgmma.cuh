@@ -228,6 +228,9 @@ __device__ __forceinline__ uint64_t wg_desc(uint32_t saddr) {
   d |= (uint64_t)1 << 62;
   return d;
 }
+// wg_desc(saddr + bytes) from wg_desc(saddr): the address field holds bytes /
+// 16 and shared addresses stay below its 2^18-byte range, so it never carries.
+__device__ __forceinline__ uint64_t wg_desc_advance(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
