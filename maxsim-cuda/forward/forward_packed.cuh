@@ -281,16 +281,13 @@ __global__ void __launch_bounds__(kPackedThreads, 2) packed_fwd_kernel(FwdParams
 
   // ---- prologue: query tile (staged), the first tables and tiles -----------------
   __syncthreads();  // row_src
-  {
-    const int uc = tid % UPR;
 #pragma unroll 4
-    for (int r = tid / UPR; r < BM; r += RSTEP) {
-      const long long src = row_src[r];
-      cp_async<16>(q_s + packed_swz<RB>(r, uc), src >= 0 ? (const void*)(p.q + src * RB + uc * 16) : (const void*)p.q,
-                   src >= 0);
-    }
-    cp_async_commit();
+  for (int r = r0; r < BM; r += RSTEP) {
+    const long long src = row_src[r];
+    cp_async<16>(q_s + packed_swz<RB>(r, uc), src >= 0 ? (const void*)(p.q + src * RB + uc * 16) : (const void*)p.q,
+                 src >= 0);
   }
+  cp_async_commit();
   if (tid < BN) {
 #pragma unroll
     for (int ch = 0; ch < STAGES; ++ch) {
