@@ -290,17 +290,52 @@ def test_head_scatter_rows_op(ms, device, dtype, per_query, width):
     assert ops.head_scatter_rows(rows.to("meta"), idx.to("meta"), 3, per_query).shape[-2:] == (3, width)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dim", [1, 15, 128, 200])
+def test_head_normalize_ops(ms, device, dtype, dim):
+    """head_normalize and its backward against fp64 autograd through
+    F.normalize: odd widths and row counts, a zero row (x / eps), every
+    output element written over a poisoned allocator, the same bits twice."""
+    import warnings
+
+    ops = ms.head.ops  # importing the head registers the CPU composition
+    g = torch.Generator().manual_seed(dim)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    for rows in (0, 1, 33, 1000):
+        x = (torch.randn(rows, dim, generator=g) * torch.rand(rows, 1, generator=g).mul(4).add(0.1)).to(device, dtype)
+        if rows > 1 and dtype != torch.float16:  # its gradient, g / 1e-12, is past fp16's range
+            x[1] = 0
+        gy = torch.randn(rows, dim, generator=g).to(device, dtype)
+        x64 = x.double().requires_grad_(True)
+        y64 = torch.nn.functional.normalize(x64, dim=-1, eps=1e-12)
+        (y64 * gy.double()).sum().backward()
+        if device == "cuda":
+            torch.empty(rows * dim * 4 + 64, device=device).fill_(float("nan"))  # poison freed memory
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the CPU composition says it is one
+            y, dx = ops.head_normalize(x), ops.head_normalize_backward(gy, x)
+            again = ops.head_normalize(x), ops.head_normalize_backward(gy, x)
+        assert y.dtype == dx.dtype == dtype and y.shape == dx.shape == x.shape
+        assert torch.isfinite(y).all() and torch.isfinite(dx).all()
+        # the gradient's scale, |g| / |x| per row (it cancels to ~0 at dim 1)
+        scale = (gy.double() / x64.detach().norm(dim=-1, keepdim=True).clamp_min(1e-12)).norm().item()
+        assert relerr(y, y64) < tol and relerr(dx, x64.grad, floor=scale) < tol
+        assert torch.equal(y, again[0]) and torch.equal(dx, again[1])
+    assert ops.head_normalize(x.to("meta")).shape == x.shape
+    assert ops.head_normalize_backward(gy.to("meta"), x.to("meta")).shape == x.shape
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA build only")
 def test_head_backward_ops_compiled_on_cuda(ms):
-    for op in ("head_winner_grad", "head_scatter_rows"):
+    for op in ("head_winner_grad", "head_scatter_rows", "head_normalize", "head_normalize_backward"):
         assert (op, "CUDA") not in ms.FALLBACKS
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_from_hidden_winners_compile_and_graph(ms, device, monkeypatch):
-    """A training step on the winners' path: the same gradients under
+def test_from_hidden_training_compile_and_graph(ms, device, train_path):
+    """A training step on either path: the same gradients under
     torch.compile(fullgraph=True) and (CUDA) in a captured graph."""
-    monkeypatch.setattr(ms.head, "_WINNERS_PER_ROW", 10 ** 9)
     Q, H, W, b = _inputs(device, 2, 9, 6, 40, 64, 32, True, seed=13)
     d_mask = torch.ones(6, 40, dtype=torch.bool, device=device)
     d_mask[2, 20:] = False

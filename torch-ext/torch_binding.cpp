@@ -57,6 +57,10 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
       "head_winner_grad(Tensor unit, Tensor q, Tensor grad, Tensor idx, bool normalize, bool need_dp) -> "
       "(Tensor dq, Tensor dp, Tensor db)");
   ops.def("head_scatter_rows(Tensor rows, Tensor idx, int ld, bool per_query) -> Tensor");
+  // The composition's row normalisation in training (head.py), CUDA
+  // kernels; other devices take F.normalize.
+  ops.def("head_normalize(Tensor x) -> Tensor");
+  ops.def("head_normalize_backward(Tensor grad, Tensor x) -> Tensor");
   // The CUDA forward's plan for a call's shape facts (forward_plan.h): no
   // tensors, one implementation for every backend.
   ops.def(
@@ -97,6 +101,8 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.impl("head_forward", torch::kCUDA, &maxsim::head_forward_cuda);
   ops.impl("head_winner_grad", torch::kCUDA, &maxsim::head_winner_grad_cuda);
   ops.impl("head_scatter_rows", torch::kCUDA, &maxsim::head_scatter_rows_cuda);
+  ops.impl("head_normalize", torch::kCUDA, &maxsim::head_normalize_cuda);
+  ops.impl("head_normalize_backward", torch::kCUDA, &maxsim::head_normalize_backward_cuda);
 #endif
 #if defined(METAL_KERNEL)
   ops.impl("forward", torch::kMPS, &maxsim::forward_mps);

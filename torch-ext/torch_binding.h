@@ -260,6 +260,14 @@ using HeadWinnerGradFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at
 // the sum in fp32 of the rows whose winner is token t, in ascending (i, k)
 // order, rounded to rows' dtype; zeros where none. Every row written once.
 using HeadScatterRowsFn = at::Tensor(const at::Tensor& rows, const at::Tensor& idx, int64_t Ld, bool per_query);
+// The head's row normalisation in training (head.py; CUDA:
+// maxsim-cuda/head/head_normalize.cu; elsewhere the composition in head.py).
+// head_normalize: x [T, d] (fp32 / fp16 / bf16) -> x / max(|x|, 1e-12) per
+// row; head_normalize_backward: grad [T, d] w.r.t. that result, x -> the
+// gradient w.r.t. x, (g - x^ <x^, g>) / max(|x|, 1e-12) (g / 1e-12 for a
+// row under the clamp). Norms and products in fp32, results in x's dtype.
+using HeadNormalizeFn = at::Tensor(const at::Tensor& x);
+using HeadNormalizeBackwardFn = at::Tensor(const at::Tensor& grad, const at::Tensor& x);
 
 // The CUDA forward's plan (forward_plan.cpp), as "key=value" words. arch -1:
 // the current CUDA device; else a model of sm_<arch> with sm_count SMs (<= 0:
@@ -300,6 +308,8 @@ PlaidBackwardFn plaid_backward_cuda;
 HeadForwardFn head_forward_cuda;
 HeadWinnerGradFn head_winner_grad_cuda;
 HeadScatterRowsFn head_scatter_rows_cuda;
+HeadNormalizeFn head_normalize_cuda;
+HeadNormalizeBackwardFn head_normalize_backward_cuda;
 // The planner's facts of the current CUDA device (maxsim-cuda/forward/forward.cu).
 plan::DeviceFacts cuda_device_facts();
 #endif

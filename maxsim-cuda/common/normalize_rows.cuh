@@ -71,24 +71,26 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) inv_norms_kernel(RowPair<
   if (lane == 0) inv[x.out_row(r, inv_b)] = inv_norm(ss);
 }
 
-// g: the fp32 row sums of both blocks, contiguous [x.rows, dim].
-template <class T>
+// g: the gradients w.r.t. x^ of both blocks, contiguous [x.rows, dim]: the
+// backward's fp32 row sums, or (the head's rows) in x's dtype.
+template <class T, class G = float>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
-    normalize_grad_kernel(const float* __restrict__ g, RowPair<const T> x, RowPair<T> out, int64_t dim) {
+    normalize_grad_kernel(const G* __restrict__ g, RowPair<const T> x, RowPair<T> out, int64_t dim) {
   pdl_enter();
   const int64_t r = (int64_t)blockIdx.x * kWarpsPerBlock + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
   if (r >= x.rows) return;
   const T* xr = x.row(r, dim);
   T* outr = out.row(r, dim);
-  const float* gr = g + r * dim;
+  const G* gr = g + r * dim;
   const NormJacobian jac(row_sumsq(xr, dim, lane));
   float c = 0.f;
   if (jac.live) {
-    for (int64_t k = lane; k < dim; k += 32) c = fmaf(to_f<T>(xr[k]) * jac.inv, gr[k], c);
+    for (int64_t k = lane; k < dim; k += 32) c = fmaf(to_f<T>(xr[k]) * jac.inv, to_f<G>(gr[k]), c);
     c = warp_sum(c);
   }
-  for (int64_t k = lane; k < dim; k += 32) outr[k] = from_f<T>(jac.grad(to_f<T>(xr[k]) * jac.inv, gr[k], c));
+  for (int64_t k = lane; k < dim; k += 32)
+    outr[k] = from_f<T>(jac.grad(to_f<T>(xr[k]) * jac.inv, to_f<G>(gr[k]), c));
 }
 
 // 16-byte rows (dim * sizeof(T) % 16 == 0, aligned): 8 lanes per row, each

@@ -148,10 +148,10 @@ std::tuple<at::Tensor, at::Tensor> head_forward_cuda(const at::Tensor& q_in, con
                  qmap, p);
     }
   });
-  const int64_t n = Nq * Nd;
-  const int threads = 256;
+  const int64_t pairs_per_block = 8;  // a warp each
   launch_pdl(with_argmax ? head::head_finalize_kernel<true> : head::head_finalize_kernel<false>,
-             dim3((unsigned)((n + threads - 1) / threads)), dim3(threads), 0, stream, (const void*)p.maxbuf,
+             dim3((unsigned)((Nq * Nd + pairs_per_block - 1) / pairs_per_block)), dim3(32 * pairs_per_block), 0,
+             stream, (const void*)p.maxbuf,
              qm.defined() ? reinterpret_cast<const unsigned char*>(qm.data_ptr<bool>()) : nullptr,
              scores.data_ptr<float>(), with_argmax ? argmax.data_ptr<int>() : nullptr, Nq, Nd, (int)Lq);
   return {scores, argmax};

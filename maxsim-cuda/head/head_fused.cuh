@@ -473,7 +473,7 @@ __global__ void __launch_bounds__(kHeadThreads, 1)
 }
 
 // scores [Nq, Nd] from the running maxima: query q's valid tokens' maxima
-// summed in token order; a token without any valid document token adds 0.
+// summed in a fixed order; a token without any valid document token adds 0.
 // ARG: also argmax [Nq, Nd, Lq] int32, the winning token (-1: a masked query
 // token or no valid document token).
 template <bool ARG>
@@ -481,27 +481,30 @@ __global__ void head_finalize_kernel(const void* __restrict__ maxbuf, const unsi
                                      float* __restrict__ scores, int* __restrict__ argmax, int64_t Nq, int64_t Nd,
                                      int Lq) {
   pdl_wait();
-  const int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+  // One warp per (query, document) pair, lanes over its query tokens (a
+  // coalesced run of maxbuf): a thread a pair left most of the GPU idle.
+  const int64_t i = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
   if (i >= Nq * Nd) return;
   const int64_t q = i / Nd, n = i - q * Nd;
-  const int nqv = (int)Nq * Lq;
+  const int64_t row = n * Nq * Lq + q * Lq;
   float sum = 0.f;
-  for (int k = 0; k < Lq; ++k) {
-    const int c = (int)q * Lq + k;
-    const bool valid = q_mask == nullptr || q_mask[c];
+  for (int k = lane; k < Lq; k += 32) {
+    const bool valid = q_mask == nullptr || q_mask[q * Lq + k];
     uint32_t key;
     if constexpr (ARG) {
-      const unsigned long long w = static_cast<const unsigned long long*>(maxbuf)[n * nqv + c];
+      const unsigned long long w = static_cast<const unsigned long long*>(maxbuf)[row + k];
       key = (uint32_t)(w >> 32);
       argmax[i * Lq + k] = valid && key > kHeadNegInfKey ? (int)~(uint32_t)w : -1;
     } else {
-      key = static_cast<const uint32_t*>(maxbuf)[n * nqv + c];
+      key = static_cast<const uint32_t*>(maxbuf)[row + k];
     }
     if (!valid) continue;
     const float v = head_unkey(key);
     sum += v == neg_inf() ? 0.f : v;
   }
-  scores[i] = sum;
+  sum = cuda_fwd::warp_sum(sum);
+  if (lane == 0) scores[i] = sum;
 }
 
 }  // namespace head

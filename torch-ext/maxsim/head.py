@@ -33,14 +33,36 @@ from .scoring import maxsim, maxsim_with_argmax_nograd
 Tensor = torch.Tensor
 
 _NORM_EPS = 1e-12  # F.normalize's
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the CUDA kernels' row types
 
 __all__ = ["maxsim_from_hidden", "maxsim_from_hidden_reference"]
 
 
+class _NormalizedRows(torch.autograd.Function):
+    """x / max(|x|, eps) per row of a CUDA [T, d] tensor, one kernel each way
+    (head_normalize), where F.normalize's autograd takes about a dozen."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return ops.head_normalize(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return ops.head_normalize_backward(grad.contiguous(), x)
+
+
+def _normalized(D: Tensor) -> Tensor:
+    if D.is_cuda and D.dtype in _KERNEL_DTYPES:
+        return _NormalizedRows.apply(D.reshape(-1, D.shape[-1])).view(D.shape)
+    # F.normalize reduces in fp32 without an fp32 copy of the projected tokens.
+    return F.normalize(D, dim=-1, eps=_NORM_EPS)
+
+
 def _project(H: Tensor, W: Tensor, b: Optional[Tensor], normalize: bool, dtype) -> Tensor:
     D = F.linear(H, W, b)
-    # F.normalize reduces in fp32 without an fp32 copy of the projected tokens.
-    return (F.normalize(D, dim=-1, eps=_NORM_EPS) if normalize else D).to(dtype)
+    return (_normalized(D) if normalize else D).to(dtype)
 
 
 def _chunk_scores(Q, H, W, b, q_mask, d_mask, normalize):
@@ -174,6 +196,40 @@ class _HeadFromWinners(torch.autograd.Function):
 
 HEAD_WINNER_GRAD = add_op_namespace_prefix("head_winner_grad")
 HEAD_SCATTER_ROWS = add_op_namespace_prefix("head_scatter_rows")
+HEAD_NORMALIZE = add_op_namespace_prefix("head_normalize")
+HEAD_NORMALIZE_BACKWARD = add_op_namespace_prefix("head_normalize_backward")
+
+
+@meta_kernel(HEAD_NORMALIZE)
+def _head_normalize_fake(x):
+    return torch.empty_like(x)
+
+
+@meta_kernel(HEAD_NORMALIZE_BACKWARD)
+def _head_normalize_backward_fake(grad, x):
+    return torch.empty_like(x)
+
+
+def _wide(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _reference_head_normalize(x):
+    """head_normalize as tensor ops (the contract is in torch_binding.h)."""
+    warn_fallback("head_normalize", x.device.type)
+    xf = x.to(_wide(x))
+    return (xf * torch.linalg.vector_norm(xf, dim=-1, keepdim=True).clamp_min(_NORM_EPS).reciprocal()).to(x.dtype)
+
+
+def _reference_head_normalize_backward(grad, x):
+    """head_normalize_backward as tensor ops."""
+    warn_fallback("head_normalize_backward", x.device.type)
+    xf, g = x.to(_wide(x)), grad.to(_wide(x))
+    norm = torch.linalg.vector_norm(xf, dim=-1, keepdim=True)
+    inv = norm.clamp_min(_NORM_EPS).reciprocal()
+    xh = xf * inv
+    c = (xh * g).sum(-1, keepdim=True) * (norm >= _NORM_EPS)  # a row under the clamp: g / eps
+    return ((g - xh * c) * inv).to(x.dtype)
 
 
 @meta_kernel(HEAD_WINNER_GRAD)
@@ -252,7 +308,8 @@ def _reference_head_forward(q, h, w, b, q_mask, d_mask, normalize, with_argmax):
 # The op is compiled for CUDA only (the sm_90a kernel); elsewhere it is the
 # composition, so it answers on every device.
 register_fallbacks(((HEAD_FORWARD, _reference_head_forward), (HEAD_WINNER_GRAD, _reference_head_winner_grad),
-                    (HEAD_SCATTER_ROWS, _reference_head_scatter_rows)))
+                    (HEAD_SCATTER_ROWS, _reference_head_scatter_rows), (HEAD_NORMALIZE, _reference_head_normalize),
+                    (HEAD_NORMALIZE_BACKWARD, _reference_head_normalize_backward)))
 
 _FUSED_DTYPES = (torch.float16, torch.bfloat16)
 _FUSED_MAX_QUERY_TOKENS = 1024  # head::kHeadMaxQ (head_fused.cuh)
