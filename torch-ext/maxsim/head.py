@@ -12,7 +12,8 @@ scores each tile of hidden states without writing the projected documents
 to memory. Training with few winners a hidden row keeps only the argmax
 (from that op where in scope) and back-propagates through the winning rows
 alone (:class:`_HeadFromWinners`); with many, it is the chunked composition
-(cuBLAS projection + the MaxSim kernels), each chunk checkpointed.
+(cuBLAS projection, on CUDA one normalisation kernel each way, the MaxSim
+kernels), each chunk checkpointed.
 """
 
 from __future__ import annotations
