@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from . import reference
 from ._ops import add_op_namespace_prefix, ops
 from ._registry import meta_kernel, register_fallbacks, warn_fallback
 from .checks import check_float
@@ -211,26 +212,16 @@ def _head_normalize_backward_fake(grad, x):
     return torch.empty_like(x)
 
 
-def _wide(x: Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
 def _reference_head_normalize(x):
     """head_normalize as tensor ops (the contract is in torch_binding.h)."""
     warn_fallback("head_normalize", x.device.type)
-    xf = x.to(_wide(x))
-    return (xf * torch.linalg.vector_norm(xf, dim=-1, keepdim=True).clamp_min(_NORM_EPS).reciprocal()).to(x.dtype)
+    return reference.normalize_rows(x, x.dtype).to(x.dtype)
 
 
 def _reference_head_normalize_backward(grad, x):
     """head_normalize_backward as tensor ops."""
     warn_fallback("head_normalize_backward", x.device.type)
-    xf, g = x.to(_wide(x)), grad.to(_wide(x))
-    norm = torch.linalg.vector_norm(xf, dim=-1, keepdim=True)
-    inv = norm.clamp_min(_NORM_EPS).reciprocal()
-    xh = xf * inv
-    c = (xh * g).sum(-1, keepdim=True) * (norm >= _NORM_EPS)  # a row under the clamp: g / eps
-    return ((g - xh * c) * inv).to(x.dtype)
+    return reference.normalize_backward(grad.to(torch.promote_types(x.dtype, torch.float32)), x).to(x.dtype)
 
 
 @meta_kernel(HEAD_WINNER_GRAD)
