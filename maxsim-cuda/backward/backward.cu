@@ -37,7 +37,7 @@
 
 #include "backward_kernels.cuh"
 #include "../common/dtype_dispatch.cuh"
-#include "../common/normalize_rows.cuh"
+#include "../common/normalize_rows_launch.cuh"
 #include "../common/smem_opt_in.h"
 #include "torch_binding.h"
 

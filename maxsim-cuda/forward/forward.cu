@@ -33,7 +33,7 @@
 #include "../forward_sm90a/forward_wgmma.cuh"
 #include "../common/dtype_dispatch.cuh"
 #include "../common/fwd_params.h"
-#include "../common/normalize_rows.cuh"
+#include "../common/normalize_rows_launch.cuh"
 #include "torch_binding.h"
 
 namespace maxsim {
