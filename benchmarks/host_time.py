@@ -284,10 +284,11 @@ def split_row(ms, name, kind, nq, nb, lq, ld, dim, device, dtype, normalize, n):
     _, argmax = fwd_plain()
     P = argmax.shape[0]
     g32 = grad.reshape(-1).float()
+    inv_norms = ops.forward_train(*args)[2].detach()  # what a step's backward receives
 
     def bwd_op():
         return ops.backward(g32, Q2, q_start, q_len, D2, d_start, d_len, None, None, argmax, layout,
-                            None, None, None, None, True, True, normalize)
+                            None, None, None, None, True, True, normalize, inv_norms)
 
     n_fwd = launches(fwd_train, device)
     n_bwd = launches(bwd_op, device)

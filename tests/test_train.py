@@ -222,6 +222,35 @@ def test_normalize_zero_rows(ms, device):
     assert relerr(s, ref) < 1e-5
 
 
+@pytest.mark.parametrize("shape", [(3, 5, 7, 9), (1, 17, 4, 33), (2, 1, 3, 1)])
+def test_normalize_backward_takes_the_forwards_norms(ms, device, dtype, shape):
+    """forward_train's third output: the inverse norms of q's rows, then of
+    d's from a multiple of 4, and its shape-only kernel's shape; the CUDA
+    backward reads them instead of computing them again (the same gradient
+    bits)."""
+    nq, lq, nd, ld = shape
+    Q = rand(nq, lq, 64, dtype=dtype, device=device) * 3
+    D = rand(nd, ld, 64, dtype=dtype, device=device) * 0.5
+    D[0, 0] = 0  # a row under the clamp
+    qs, ql, ds, dl, layout, Lq, _ = ms.scoring._cached_maxsim_plan(Q, D, None, None)
+    args = (qs, ql, None, D, ds, dl, None, None, None, layout, Lq, 2, 0, True)
+    scores, argmax, inv = ms.ops.forward_train(Q, *args)
+    fake = ms.ops.forward_train(Q.to("meta"), qs.to("meta"), ql.to("meta"), None, D.to("meta"), ds.to("meta"),
+                                dl.to("meta"), None, None, None, layout, Lq, 2, 0, True)[2]
+    tq, td = nq * lq, nd * ld
+    b_at = (tq + 3) // 4 * 4
+    assert inv.dtype == torch.float32 and inv.shape == fake.shape == (b_at + td,)
+    want = torch.cat([x.reshape(-1, 64).double().norm(dim=-1).clamp_min(1e-12).reciprocal() for x in (Q, D)])
+    assert relerr(torch.cat([inv[:tq], inv[b_at:]]), want) < 1e-6
+    assert ms.ops.forward_train(Q, *args[:-1], False)[2].numel() == 0
+    grad = torch.randn(nq * nd, device=device)
+    rows = (Q.reshape(-1, 64), D.reshape(-1, 64))
+    bwd = (grad, rows[0], qs, ql, rows[1], ds, dl, None, None, argmax, layout, None, None, None, None, True, True, True)
+    saved = ms.ops.backward(*bwd, inv)
+    again = ms.ops.backward(*bwd)
+    assert all(torch.equal(a, b) for a, b in zip(saved, again))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA memory accounting")
 def test_normalize_makes_no_copies(ms):
     """normalize=True is folded into the kernels: the forward and backward

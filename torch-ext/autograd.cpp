@@ -1,5 +1,6 @@
 // Autograd for forward_train, in C++ for every backend: the forward saves
-// the winning document-token index per (pair, query row) and nothing else;
+// the winning document-token index per (pair, query row) and, under
+// normalize on CUDA, the inverse row norms its kernels read, nothing else;
 // the backward calls the backward op (dq by gather, dd by a destination-owned
 // reduction) for the inputs that need a gradient.
 //
@@ -34,17 +35,18 @@ using OptTensor = std::optional<Tensor>;
 
 OptTensor opt(const Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
 
-std::tuple<Tensor, Tensor> call_forward_train(const Tensor& q, const Tensor& q_start, const Tensor& q_len,
-                                              const OptTensor& q_mask, const Tensor& d, const Tensor& d_start,
-                                              const Tensor& d_len, const OptTensor& d_mask, const OptTensor& pair_q,
-                                              const OptTensor& pair_d, int64_t layout, int64_t lq,
-                                              int64_t argmax_kind, int64_t precision, bool normalize) {
+std::tuple<Tensor, Tensor, Tensor> call_forward_train(const Tensor& q, const Tensor& q_start, const Tensor& q_len,
+                                                      const OptTensor& q_mask, const Tensor& d, const Tensor& d_start,
+                                                      const Tensor& d_len, const OptTensor& d_mask,
+                                                      const OptTensor& pair_q, const OptTensor& pair_d,
+                                                      int64_t layout, int64_t lq, int64_t argmax_kind,
+                                                      int64_t precision, bool normalize) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow((std::string(kNs) + "::forward_train").c_str(), "")
-                       .typed<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
-                                                         const OptTensor&, const Tensor&, const Tensor&,
-                                                         const Tensor&, const OptTensor&, const OptTensor&,
-                                                         const OptTensor&, int64_t, int64_t, int64_t, int64_t, bool)>();
+                       .typed<std::tuple<Tensor, Tensor, Tensor>(
+                           const Tensor&, const Tensor&, const Tensor&, const OptTensor&, const Tensor&,
+                           const Tensor&, const Tensor&, const OptTensor&, const OptTensor&, const OptTensor&, int64_t,
+                           int64_t, int64_t, int64_t, bool)>();
   return op.call(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d, layout, lq, argmax_kind,
                  precision, normalize);
 }
@@ -54,16 +56,17 @@ std::tuple<Tensor, Tensor> call_backward(const Tensor& grad, const Tensor& q, co
                                          const Tensor& d_len, const OptTensor& pair_q, const OptTensor& pair_d,
                                          const Tensor& argmax, int64_t layout, const OptTensor& q_ptr,
                                          const OptTensor& q_pairs, const OptTensor& d_ptr,
-                                         const OptTensor& d_pairs, bool need_dq, bool need_dd, bool normalize) {
+                                         const OptTensor& d_pairs, bool need_dq, bool need_dd, bool normalize,
+                                         const OptTensor& inv_norms) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow((std::string(kNs) + "::backward").c_str(), "")
                        .typed<std::tuple<Tensor, Tensor>(
                            const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                            const Tensor&, const OptTensor&, const OptTensor&, const Tensor&, int64_t,
                            const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&, bool, bool,
-                           bool)>();
+                           bool, const OptTensor&)>();
   return op.call(grad, q, q_start, q_len, d, d_start, d_len, pair_q, pair_d, argmax, layout, q_ptr, q_pairs, d_ptr,
-                 d_pairs, need_dq, need_dd, normalize);
+                 d_pairs, need_dq, need_dd, normalize, inv_norms);
 }
 
 // Stable grouping of pair indices by id: (ptr [n+1], pairs [P]); ids outside
@@ -92,21 +95,22 @@ struct ForwardTrain : public torch::autograd::Function<ForwardTrain> {
                                                 const OptTensor& pair_d, int64_t layout, int64_t lq,
                                                 int64_t argmax_kind, int64_t precision, bool normalize) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [scores, argmax] = call_forward_train(rows2d(q), q_start, q_len, q_mask, rows2d(d), d_start, d_len, d_mask,
-                                               pair_q, pair_d, layout, lq, argmax_kind, precision, normalize);
+    auto [scores, argmax, inv_norms] = call_forward_train(rows2d(q), q_start, q_len, q_mask, rows2d(d), d_start, d_len,
+                                                          d_mask, pair_q, pair_d, layout, lq, argmax_kind, precision,
+                                                          normalize);
     ctx->saved_data["layout"] = layout;
     ctx->saved_data["normalize"] = normalize;
     ctx->saved_data["has_argmax"] = argmax_kind != 0;
     // needs_input_grad counts tensor inputs only: d follows q, q_start,
     // q_len and q_mask when one was given.
     ctx->saved_data["d_edge"] = (int64_t)(q_mask.has_value() && q_mask->defined() ? 4 : 3);
-    ctx->save_for_backward(
-        {q, q_start, q_len, d, d_start, d_len, pair_q.value_or(Tensor()), pair_d.value_or(Tensor()), argmax});
-    ctx->mark_non_differentiable({argmax});
+    ctx->save_for_backward({q, q_start, q_len, d, d_start, d_len, pair_q.value_or(Tensor()), pair_d.value_or(Tensor()),
+                            argmax, inv_norms});
+    ctx->mark_non_differentiable({argmax, inv_norms});
     // No zero-filled gradient for the (integer) argmax output: one kernel
     // per training step otherwise.
     ctx->set_materialize_grads(false);
-    return {scores.view(score_shape(layout, q_start.size(0), d_start.size(0), scores.size(0))), argmax};
+    return {scores.view(score_shape(layout, q_start.size(0), d_start.size(0), scores.size(0))), argmax, inv_norms};
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -117,7 +121,7 @@ struct ForwardTrain : public torch::autograd::Function<ForwardTrain> {
     if (!grads[0].defined()) return torch::autograd::variable_list(15);
     const auto s = ctx->get_saved_variables();
     const Tensor &q = s[0], &q_start = s[1], &q_len = s[2], &d = s[3], &d_start = s[4], &d_len = s[5];
-    const Tensor &pair_q = s[6], &pair_d = s[7], &argmax = s[8];
+    const Tensor &pair_q = s[6], &pair_d = s[7], &argmax = s[8], &inv_norms = s[9];
     const int64_t layout = ctx->saved_data["layout"].toInt();
     const bool need_dq = ctx->needs_input_grad(0), need_dd = ctx->needs_input_grad(ctx->saved_data["d_edge"].toInt());
     OptTensor q_ptr, q_pairs, d_ptr, d_pairs;
@@ -127,7 +131,7 @@ struct ForwardTrain : public torch::autograd::Function<ForwardTrain> {
     }
     auto [dq, dd] = call_backward(grads[0].contiguous().view(-1).to(at::kFloat), rows2d(q), q_start, q_len, rows2d(d),
                                   d_start, d_len, opt(pair_q), opt(pair_d), argmax, layout, q_ptr, q_pairs, d_ptr,
-                                  d_pairs, need_dq, need_dd, ctx->saved_data["normalize"].toBool());
+                                  d_pairs, need_dq, need_dd, ctx->saved_data["normalize"].toBool(), opt(inv_norms));
     torch::autograd::variable_list out(15);
     if (need_dq) out[0] = dq.view(q.sizes());
     if (need_dd) out[4] = dd.view(d.sizes());
@@ -135,14 +139,15 @@ struct ForwardTrain : public torch::autograd::Function<ForwardTrain> {
   }
 };
 
-std::tuple<Tensor, Tensor> forward_train_autograd(const Tensor& q, const Tensor& q_start, const Tensor& q_len,
-                                                  const OptTensor& q_mask, const Tensor& d, const Tensor& d_start,
-                                                  const Tensor& d_len, const OptTensor& d_mask,
-                                                  const OptTensor& pair_q, const OptTensor& pair_d, int64_t layout,
-                                                  int64_t lq, int64_t argmax_kind, int64_t precision, bool normalize) {
+std::tuple<Tensor, Tensor, Tensor> forward_train_autograd(const Tensor& q, const Tensor& q_start, const Tensor& q_len,
+                                                          const OptTensor& q_mask, const Tensor& d,
+                                                          const Tensor& d_start, const Tensor& d_len,
+                                                          const OptTensor& d_mask, const OptTensor& pair_q,
+                                                          const OptTensor& pair_d, int64_t layout, int64_t lq,
+                                                          int64_t argmax_kind, int64_t precision, bool normalize) {
   auto out = ForwardTrain::apply(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d, layout, lq,
                                  argmax_kind, precision, normalize);
-  return {out[0], out[1]};
+  return {out[0], out[1], out[2]};
 }
 
 }  // namespace

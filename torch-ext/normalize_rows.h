@@ -2,7 +2,8 @@
 // ATen ops: the composite form for a backend whose
 // kernels do not fold the norms in (Metal): normalised fp32 copies in, the
 // Jacobian applied to fp32 row sums out. CPU and CUDA fuse both halves into
-// their kernels and only share the constant.
+// their kernels and only share the constant; forward_train's inverse norms
+// on the backends without a kernel for them.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -28,6 +29,23 @@ inline at::Tensor normalize_backward(const at::Tensor& g, const at::Tensor& x, a
   const at::Tensor xh = xf * inv;
   const at::Tensor c = (xh * g).sum(1, true) * (norm >= kNormEps).to(g.scalar_type());
   return ((g - xh * c) * inv).to(dtype);
+}
+
+// forward_train's inverse norms (torch_binding.h, ForwardTrainFn) in ATen
+// ops: 1 / max(|q_r|, eps) at r, d's rows from b_at = round_up(Tq, 4), fp32.
+inline at::Tensor inverse_norms(const at::Tensor& q, const at::Tensor& d) {
+  const auto inv = [](const at::Tensor& x) {
+    return at::linalg_vector_norm(x.to(at::kFloat), 2, at::IntArrayRef{-1}, false)
+        .reshape({-1})
+        .clamp_min(kNormEps)
+        .reciprocal();
+  };
+  const at::Tensor iq = inv(q), id = inv(d);
+  const int64_t b_at = (iq.numel() + 3) & ~int64_t(3);
+  at::Tensor out = at::zeros({b_at + id.numel()}, q.options().dtype(at::kFloat));
+  out.narrow(0, 0, iq.numel()).copy_(iq);
+  out.narrow(0, b_at, id.numel()).copy_(id);
+  return out;
 }
 
 }  // namespace maxsim

@@ -2,6 +2,7 @@
 // implementation for its dispatch key. The contract is in torch_binding.h.
 #include <torch/library.h>
 
+#include "normalize_rows.h"
 #include "registration.h"
 #include "torch_binding.h"
 
@@ -9,15 +10,48 @@
   "(Tensor q, Tensor q_start, Tensor q_len, Tensor? q_mask, Tensor d, "    \
   "Tensor d_start, Tensor d_len, Tensor? d_mask, Tensor? pair_q, "         \
   "Tensor? pair_d, int layout, int lq, int argmax_kind, int precision, "     \
-  "bool normalize=False) -> "    \
-  "(Tensor scores, Tensor argmax)"
+  "bool normalize=False) -> "
+
+namespace maxsim {
+namespace {
+
+// forward_train and backward on the backends whose backward derives its own
+// inverse norms (torch_binding.h, ForwardTrainFn): the forward returns them
+// from ATen ops, the backward leaves them.
+template <ForwardFn* F>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_train_of(
+    const at::Tensor& q, const at::Tensor& q_start, const at::Tensor& q_len, const std::optional<at::Tensor>& q_mask,
+    const at::Tensor& d, const at::Tensor& d_start, const at::Tensor& d_len, const std::optional<at::Tensor>& d_mask,
+    const std::optional<at::Tensor>& pair_q, const std::optional<at::Tensor>& pair_d, int64_t layout, int64_t lq,
+    int64_t argmax_kind, int64_t precision, bool normalize) {
+  auto [scores, argmax] =
+      F(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d, layout, lq, argmax_kind, precision,
+        normalize);
+  return {scores, argmax, normalize ? inverse_norms(q, d) : at::empty({0}, q.options().dtype(at::kFloat))};
+}
+
+template <BackwardFn* F>
+std::tuple<at::Tensor, at::Tensor> backward_of(
+    const at::Tensor& grad, const at::Tensor& q, const at::Tensor& q_start, const at::Tensor& q_len,
+    const at::Tensor& d, const at::Tensor& d_start, const at::Tensor& d_len, const std::optional<at::Tensor>& pair_q,
+    const std::optional<at::Tensor>& pair_d, const at::Tensor& argmax, int64_t layout,
+    const std::optional<at::Tensor>& q_ptr, const std::optional<at::Tensor>& q_pairs,
+    const std::optional<at::Tensor>& d_ptr, const std::optional<at::Tensor>& d_pairs, bool need_dq, bool need_dd,
+    bool normalize, const std::optional<at::Tensor>&) {
+  return F(grad, q, q_start, q_len, d, d_start, d_len, pair_q, pair_d, argmax, layout, q_ptr, q_pairs, d_ptr, d_pairs,
+           need_dq, need_dd, normalize);
+}
+
+}  // namespace
+}  // namespace maxsim
 
 TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   // Two names, one kernel: autograd is registered on forward_train only, so
   // inference calls go straight to the device kernel without the autograd
-  // wrapper's cost.
-  ops.def("forward" MAXSIM_FORWARD_ARGS);
-  ops.def("forward_train" MAXSIM_FORWARD_ARGS);
+  // wrapper's cost. forward_train also returns the inverse norms its
+  // backward reads under normalize (torch_binding.h, ForwardTrainFn).
+  ops.def("forward" MAXSIM_FORWARD_ARGS "(Tensor scores, Tensor argmax)");
+  ops.def("forward_train" MAXSIM_FORWARD_ARGS "(Tensor scores, Tensor argmax, Tensor inv_norms)");
   ops.def(
       "forward_quant(Tensor q, Tensor q_scale, Tensor q_start, Tensor q_len, "
       "Tensor? q_mask, Tensor d, Tensor d_scale, Tensor d_start, Tensor d_len, "
@@ -34,7 +68,7 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
       "Tensor d, Tensor d_start, Tensor d_len, Tensor? pair_q, "
       "Tensor? pair_d, Tensor argmax, int layout, Tensor? q_ptr, "
       "Tensor? q_pairs, Tensor? d_ptr, Tensor? d_pairs, bool need_dq, "
-      "bool need_dd, bool normalize=False) -> (Tensor dq, Tensor dd)");
+      "bool need_dd, bool normalize=False, Tensor? inv_norms=None) -> (Tensor dq, Tensor dd)");
   ops.def("segments(Tensor[] offsets, int[] totals, int[] max_lens, Tensor[] ints, int[] lo, int[] hi) -> Tensor[]");
   ops.def("uniform_segments(Tensor like, int n, int extent) -> (Tensor start, Tensor len)");
   ops.def("plaid_approx(Tensor qcs, Tensor codes, Tensor d_start, Tensor d_len, Tensor? keep=None) -> Tensor");
@@ -72,13 +106,13 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.def("set_forced_family(str family) -> str", &maxsim::set_forced_family);
   // The CPU kernels are [torch] sources: every variant has them.
   ops.impl("forward", torch::kCPU, &maxsim::forward_cpu);
-  ops.impl("forward_train", torch::kCPU, &maxsim::forward_cpu);
+  ops.impl("forward_train", torch::kCPU, &maxsim::forward_train_of<&maxsim::forward_cpu>);
   ops.impl("forward_quant", torch::kCPU, &maxsim::forward_quant_cpu);
   ops.impl("quantize", torch::kCPU, &maxsim::quantize_cpu);
   ops.impl("block_topk", torch::kCPU, &maxsim::block_topk_cpu);
   ops.impl("decode_keys", torch::kCPU, &maxsim::decode_keys_cpu);
   ops.impl("rescore_topk", torch::kCPU, &maxsim::rescore_topk_cpu);
-  ops.impl("backward", torch::kCPU, &maxsim::backward_cpu);
+  ops.impl("backward", torch::kCPU, &maxsim::backward_of<&maxsim::backward_cpu>);
   ops.impl("segments", torch::kCPU, &maxsim::segments_cpu);
   ops.impl("uniform_segments", torch::kCPU, &maxsim::uniform_segments_cpu);
   ops.impl("plaid_approx", torch::kCPU, &maxsim::plaid_approx_cpu);
@@ -86,7 +120,7 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.impl("plaid_backward", torch::kCPU, &maxsim::plaid_backward_cpu);
 #if defined(CUDA_KERNEL)
   ops.impl("forward", torch::kCUDA, &maxsim::forward_cuda);
-  ops.impl("forward_train", torch::kCUDA, &maxsim::forward_cuda);
+  ops.impl("forward_train", torch::kCUDA, &maxsim::forward_train_cuda);
   ops.impl("forward_quant", torch::kCUDA, &maxsim::forward_quant_cuda);
   ops.impl("quantize", torch::kCUDA, &maxsim::quantize_cuda);
   ops.impl("block_topk", torch::kCUDA, &maxsim::block_topk_cuda);
@@ -106,8 +140,8 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
 #endif
 #if defined(METAL_KERNEL)
   ops.impl("forward", torch::kMPS, &maxsim::forward_mps);
-  ops.impl("forward_train", torch::kMPS, &maxsim::forward_mps);
-  ops.impl("backward", torch::kMPS, &maxsim::backward_mps);
+  ops.impl("forward_train", torch::kMPS, &maxsim::forward_train_of<&maxsim::forward_mps>);
+  ops.impl("backward", torch::kMPS, &maxsim::backward_of<&maxsim::backward_mps>);
 #endif
 }
 

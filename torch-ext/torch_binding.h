@@ -97,8 +97,9 @@ inline plan::Request forward_request(int64_t layout, int64_t nq, int64_t nd, int
 // on / off) and returns the previous one.
 std::string set_forced_family(std::string family);
 
-// Returns (scores [P] fp32, argmax).
-using ForwardFn = std::tuple<at::Tensor, at::Tensor>(
+// Returns (scores [P] fp32, argmax). R: the result (ForwardTrainFn's adds a tensor).
+template <typename R>
+using ForwardSignature = R(
     const at::Tensor& q, const at::Tensor& q_start, const at::Tensor& q_len,
     const std::optional<at::Tensor>& q_mask, const at::Tensor& d,
     const at::Tensor& d_start, const at::Tensor& d_len,
@@ -106,6 +107,15 @@ using ForwardFn = std::tuple<at::Tensor, at::Tensor>(
     const std::optional<at::Tensor>& pair_q,
     const std::optional<at::Tensor>& pair_d, int64_t layout, int64_t lq,
     int64_t argmax_kind, int64_t precision, bool normalize);
+using ForwardFn = ForwardSignature<std::tuple<at::Tensor, at::Tensor>>;
+
+// forward_train: forward's (scores, argmax) and, under normalize (else an
+// empty tensor), the inverse row norms: fp32 [inv_norms_size], 1 /
+// max(|q_r|, 1e-12) at r, the documents' from round_up(Tq, 4). CUDA computes
+// them for its forward kernels anyway and its backward reads them (the
+// backward's inv_norms); other backends' backward derives its own.
+using ForwardTrainFn = ForwardSignature<std::tuple<at::Tensor, at::Tensor, at::Tensor>>;
+inline int64_t inv_norms_size(int64_t Tq, int64_t Td) { return ((Tq + 3) & ~int64_t(3)) + Td; }
 
 // Quantized tokens (inference only): q / d are int8 or float8_e4m3fn with
 // per-token fp32 scales q_scale [Tq] (> 0) / d_scale [Td]; token r stands for
@@ -159,7 +169,9 @@ using RescoreTopkFn = std::tuple<at::Tensor, at::Tensor>(
 // For LIST, q_ptr [Nq+1] / q_pairs [P] list the pairs of each query and
 // d_ptr [Nd+1] / d_pairs [P] the pairs of each document (CSR, stable order);
 // they are ignored for CROSS and GROUPED.
-using BackwardFn = std::tuple<at::Tensor, at::Tensor>(
+// Extra: BackwardNormsFn's trailing inv_norms.
+template <typename... Extra>
+using BackwardSignature = std::tuple<at::Tensor, at::Tensor>(
     const at::Tensor& grad, const at::Tensor& q, const at::Tensor& q_start,
     const at::Tensor& q_len, const at::Tensor& d, const at::Tensor& d_start,
     const at::Tensor& d_len, const std::optional<at::Tensor>& pair_q,
@@ -167,7 +179,11 @@ using BackwardFn = std::tuple<at::Tensor, at::Tensor>(
     int64_t layout, const std::optional<at::Tensor>& q_ptr,
     const std::optional<at::Tensor>& q_pairs,
     const std::optional<at::Tensor>& d_ptr,
-    const std::optional<at::Tensor>& d_pairs, bool need_dq, bool need_dd, bool normalize);
+    const std::optional<at::Tensor>& d_pairs, bool need_dq, bool need_dd, bool normalize, Extra...);
+using BackwardFn = BackwardSignature<>;
+// The backward op's kernel on CUDA: also forward_train's inverse norms
+// (inv_norms, optional; recomputed where absent or of another size).
+using BackwardNormsFn = BackwardSignature<const std::optional<at::Tensor>&>;
 
 // Segments of the packed and padded layouts, so a call's index tensors cost
 // one op: offsets[i] (int32 / int64 [N_i + 1], a packed tensor of totals[i]
@@ -294,12 +310,13 @@ PlaidForwardFn plaid_forward_cpu;
 PlaidBackwardFn plaid_backward_cpu;
 #if defined(CUDA_KERNEL)
 ForwardFn forward_cuda;
+ForwardTrainFn forward_train_cuda;
 ForwardQuantFn forward_quant_cuda;
 QuantizeFn quantize_cuda;
 BlockTopkFn block_topk_cuda;
 DecodeKeysFn decode_keys_cuda;
 RescoreTopkFn rescore_topk_cuda;
-BackwardFn backward_cuda;
+BackwardNormsFn backward_cuda;
 SegmentsFn segments_cuda;
 UniformSegmentsFn uniform_segments_cuda;
 PlaidApproxFn plaid_approx_cuda;

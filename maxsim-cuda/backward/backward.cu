@@ -5,8 +5,8 @@
 // synchronisation, no workspace: dq_kernel or dd_kernel when only one
 // gradient is needed, dqdd_kernel (both kinds of CTA in one grid) when both
 // are; the dd_one_pair forms of the last two when every document belongs to
-// one pair. Under normalize, one launch first for the inverse row norms of
-// both sides; the kernels then apply the normalisation's Jacobian to each
+// one pair. Under normalize, the inverse row norms of both sides come from
+// forward_train (or, without them, one launch first); the kernels then apply the normalisation's Jacobian to each
 // row's fp32 sums before rounding (a lane group holds a whole row when the
 // row fits one dim chunk), or else write fp32 row sums that one
 // normalize_grad launch turns into dq / dd. Outputs are allocated
@@ -293,7 +293,7 @@ std::tuple<at::Tensor, at::Tensor> backward_cuda(
     const std::optional<at::Tensor>& pair_q, const std::optional<at::Tensor>& pair_d, const at::Tensor& argmax_in,
     int64_t layout, const std::optional<at::Tensor>& q_ptr, const std::optional<at::Tensor>& q_pairs,
     const std::optional<at::Tensor>& d_ptr, const std::optional<at::Tensor>& d_pairs, bool need_dq, bool need_dd,
-    bool normalize) {
+    bool normalize, const std::optional<at::Tensor>& inv_norms) {
   using namespace cuda_bwd;
   TORCH_CHECK(q_in.is_cuda() && d_in.is_cuda(), "maxsim backward: q and d must be CUDA tensors");
   TORCH_CHECK(q_in.dim() == 2 && d_in.dim() == 2 && q_in.size(1) == d_in.size(1),
@@ -383,14 +383,15 @@ std::tuple<at::Tensor, at::Tensor> backward_cuda(
   const int H = (int)ceil_div(nvec, G);
 
   // normalize: inverse norms of the gathered sides (q's rows for dd, then d's
-  // for dq), one launch for both; the Jacobian in the kernels when a lane
+  // for dq): forward_train's, else one launch for both; the Jacobian in the kernels when a lane
   // group holds a whole row (16-byte vectors, one dim chunk), else fp32 row
   // sums out (one buffer for both sides) and one normalize_grad launch.
   const at::Tensor none;
   cuda_norm::InvNorms inv;
   const RowOut row_out = !normalize ? RowOut::kGrad : (v16 && H == 1 ? RowOut::kJacobian : RowOut::kRowSums);
   at::Tensor g32, gq, gd;
-  if (normalize) inv = cuda_norm::inv_norms(do_dd ? q : none, do_dq ? d : none);
+  if (normalize) inv = cuda_norm::saved_inv_norms(inv_norms, Tq, Td, q.device());
+  if (normalize && !inv.buf.defined()) inv = cuda_norm::inv_norms(do_dd ? q : none, do_dq ? d : none);
   if (row_out == RowOut::kRowSums) {
     g32 = at::empty({(do_dq ? Tq : 0) + (do_dd ? Td : 0), dim}, q.options().dtype(at::kFloat));
     if (do_dq) gq = g32.narrow(0, 0, Tq);

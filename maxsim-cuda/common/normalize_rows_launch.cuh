@@ -46,6 +46,21 @@ inline InvNorms inv_norms(const at::Tensor& a, const at::Tensor& b = at::Tensor(
   return inv;
 }
 
+// forward_train's inverse norms of q's Tq rows then d's Td rows (the layout
+// of inv_norms(q, d), torch_binding.h), or an empty InvNorms where they are
+// absent or of another size.
+inline InvNorms saved_inv_norms(const std::optional<at::Tensor>& saved, int64_t Tq, int64_t Td, at::Device dev) {
+  InvNorms inv;
+  const int64_t b_at = (Tq + 3) & ~int64_t(3);
+  if (!saved.has_value() || !saved->defined() || saved->scalar_type() != at::kFloat || saved->dim() != 1 ||
+      saved->numel() != b_at + Td || saved->device() != dev || !saved->is_contiguous())
+    return inv;
+  inv.buf = *saved;
+  inv.a = inv.buf.data_ptr<float>();
+  inv.b = inv.a + b_at;
+  return inv;
+}
+
 // out_a / out_b (their x's dtype) from g [rows(x_a) + rows(x_b), dim] fp32
 // and the rows x_a then x_b, in one launch; a block whose x is undefined is
 // skipped.

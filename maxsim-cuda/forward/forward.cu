@@ -205,7 +205,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
                                                 const std::optional<at::Tensor>& pair_q,
                                                 const std::optional<at::Tensor>& pair_d, int64_t layout, int64_t lq,
                                                 int64_t argmax_kind, int64_t precision, bool normalize,
-                                                bool uniform_doc_scales = false) {
+                                                bool uniform_doc_scales = false, at::Tensor* inv_out = nullptr) {
   TORCH_CHECK(q_in.is_cuda() && d_in.is_cuda(), "maxsim: q and d must be CUDA tensors");
   TORCH_CHECK(q_in.dim() == 2 && d_in.dim() == 2 && q_in.size(1) == d_in.size(1),
               "maxsim: q [Tq, dim] and d [Td, dim] must share dim");
@@ -338,12 +338,14 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_in, const at
   }
 
   // normalize: the queries' inverse norms, and in the same launch the
-  // documents' where the kernel does not derive them from its own fragments.
+  // documents' where the kernel does not derive them from its own fragments
+  // or the backward reads them (inv_out: forward_train).
   cuda_norm::InvNorms inv;
   if (pl.scaled) {
-    inv = cuda_norm::inv_norms(q, pl.d_inv_prepass ? d : at::Tensor());
+    inv = cuda_norm::inv_norms(q, pl.d_inv_prepass || inv_out ? d : at::Tensor());
     p.q_scale = inv.a;
     if (pl.d_inv_prepass) p.d_scale = inv.b;
+    if (inv_out) *inv_out = inv.buf;
   }
 
   // ---- launch (grid.x only, in chunks below the 2^31-1 limit) ---------------
@@ -378,6 +380,22 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q, const at::T
                                                 int64_t argmax_kind, int64_t precision, bool normalize) {
   return cuda_fwd::forward_impl(q, nullptr, q_start, q_len, q_mask, d, nullptr, d_start, d_len, d_mask, pair_q,
                                 pair_d, layout, lq, argmax_kind, precision, normalize);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_train_cuda(
+    const at::Tensor& q, const at::Tensor& q_start, const at::Tensor& q_len, const std::optional<at::Tensor>& q_mask,
+    const at::Tensor& d, const at::Tensor& d_start, const at::Tensor& d_len, const std::optional<at::Tensor>& d_mask,
+    const std::optional<at::Tensor>& pair_q, const std::optional<at::Tensor>& pair_d, int64_t layout, int64_t lq,
+    int64_t argmax_kind, int64_t precision, bool normalize) {
+  at::Tensor inv;
+  auto [scores, argmax] = cuda_fwd::forward_impl(q, nullptr, q_start, q_len, q_mask, d, nullptr, d_start, d_len,
+                                                 d_mask, pair_q, pair_d, layout, lq, argmax_kind, precision, normalize,
+                                                 false, normalize ? &inv : nullptr);
+  if (!normalize) return {scores, argmax, at::empty({0}, q.options().dtype(at::kFloat))};
+  // A call whose kernels read no norms (no pairs, no query rows) computes
+  // them all the same: the backward trusts a buffer of the full size.
+  if (!inv.defined()) inv = inverse_norms(q, d);
+  return {scores, argmax, inv};
 }
 
 std::tuple<at::Tensor, at::Tensor> forward_quant_cuda(

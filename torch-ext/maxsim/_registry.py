@@ -7,7 +7,8 @@ FakeTensor runs for an op without a registered fake) and complete on every
 device (a device
 whose build lacks an op gets the pure-PyTorch reference for it, recorded in
 ``FALLBACKS`` so tests can insist there is none). ``forward`` and
-``forward_train`` share one kernel; only the latter carries autograd.
+``forward_train`` share one kernel; only the latter carries autograd (and
+returns the inverse norms its backward reads under ``normalize`` on CUDA).
 
 Both go through one ``torch.library.Library`` fragment: the decorators
 ``torch.library.register_fake`` / ``impl`` cost more than the rest of this
@@ -18,6 +19,7 @@ library per call).
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -68,12 +70,29 @@ def _argmax_empty(q, P, lq, argmax_kind):
     return q.new_empty((P, lq), dtype=torch.int16 if argmax_kind == 2 else torch.int32)
 
 
-@meta_kernel(FORWARD, FORWARD_TRAIN)
+@meta_kernel(FORWARD)
 def _forward_fake(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d,
                   layout, lq, argmax_kind, precision, normalize=False):
     P = num_pairs(q_start, d_start, pair_q, layout)
     sdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     return q.new_empty((P,), dtype=sdt), _argmax_empty(q, P, lq, argmax_kind)
+
+
+def _inv_norms_rows(q, d, normalize) -> int:
+    """The length of forward_train's third output (torch_binding.h): the
+    inverse norms of q's rows, then (from a multiple of 4) d's."""
+    if not normalize:
+        return 0
+    tq, td = math.prod(q.shape[:-1]), math.prod(d.shape[:-1])
+    return (tq + 3) // 4 * 4 + td
+
+
+@meta_kernel(FORWARD_TRAIN)
+def _forward_train_fake(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d,
+                        layout, lq, argmax_kind, precision, normalize=False):
+    scores, argmax = _forward_fake(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d,
+                                   layout, lq, argmax_kind, precision, normalize)
+    return scores, argmax, q.new_empty((_inv_norms_rows(q, d, normalize),), dtype=torch.float32)
 
 
 @meta_kernel(FORWARD_QUANT)
@@ -107,7 +126,7 @@ def _rescore_topk_fake(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, key
 
 @meta_kernel(BACKWARD)
 def _backward_fake(grad, q, q_start, q_len, d, d_start, d_len, pair_q, pair_d, argmax,
-                   layout, q_ptr, q_pairs, d_ptr, d_pairs, need_dq, need_dd, normalize=False):
+                   layout, q_ptr, q_pairs, d_ptr, d_pairs, need_dq, need_dd, normalize=False, inv_norms=None):
     dq = torch.empty_like(q) if need_dq else q.new_empty((0,))
     dd = torch.empty_like(d) if need_dd else d.new_empty((0,))
     return dq, dd
@@ -136,6 +155,19 @@ def _reference_forward(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pai
     warn_fallback("forward", q.device.type)
     return reference.forward(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask,
                              pair_q, pair_d, layout, lq, argmax_kind, precision, normalize=normalize)
+
+
+def _reference_forward_train(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d,
+                             layout, lq, argmax_kind, precision, normalize=False):
+    scores, argmax = _reference_forward(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d,
+                                        layout, lq, argmax_kind, precision, normalize)
+    inv = q.new_zeros((_inv_norms_rows(q, d, normalize),), dtype=torch.float32)
+    if inv.numel():
+        rows = [x.reshape(-1, x.shape[-1]).float() for x in (q, d)]
+        norms = [torch.linalg.vector_norm(x, dim=-1).clamp_min(1e-12).reciprocal() for x in rows]
+        inv[:norms[0].numel()] = norms[0]
+        inv[inv.numel() - norms[1].numel():] = norms[1]
+    return scores, argmax, inv
 
 
 def _reference_forward_quant(q, q_scale, q_start, q_len, q_mask, d, d_scale, d_start, d_len, d_mask,
@@ -176,7 +208,7 @@ def _reference_rescore_topk(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask
 
 
 def _reference_backward(grad, q, q_start, q_len, d, d_start, d_len, pair_q, pair_d, argmax,
-                        layout, q_ptr, q_pairs, d_ptr, d_pairs, need_dq, need_dd, normalize=False):
+                        layout, q_ptr, q_pairs, d_ptr, d_pairs, need_dq, need_dd, normalize=False, inv_norms=None):
     warn_fallback("backward", q.device.type)
     return reference.backward(grad, q, q_start, q_len, d, d_start, d_len, pair_q, pair_d,
                               argmax, layout, q_ptr, q_pairs, d_ptr, d_pairs, need_dq, need_dd,
@@ -204,7 +236,7 @@ def register_fallbacks(impls) -> None:
                 FALLBACKS.add((name.split("::")[1], key))
 
 
-register_fallbacks(((FORWARD, _reference_forward), (FORWARD_TRAIN, _reference_forward),
+register_fallbacks(((FORWARD, _reference_forward), (FORWARD_TRAIN, _reference_forward_train),
                     (FORWARD_QUANT, _reference_forward_quant), (QUANTIZE, _reference_quantize),
                     (BLOCK_TOPK, _reference_block_topk), (DECODE_KEYS, _reference_decode_keys),
                     (RESCORE_TOPK, _reference_rescore_topk), (BACKWARD, _reference_backward),

@@ -127,8 +127,9 @@ def run(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask, pair_q, pair_d,
     if needs_grad(q, d) if train is None else train:
         # The autograd-carrying op only when a gradient can flow (it costs an
         # autograd node per call); it flattens and reshapes inside the node.
-        return ops.forward_train(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask,
-                                 pair_q, pair_d, layout, lq, kind, precision, normalize)
+        scores, argmax, _ = ops.forward_train(q, q_start, q_len, q_mask, d, d_start, d_len, d_mask,
+                                              pair_q, pair_d, layout, lq, kind, precision, normalize)
+        return scores, argmax
     scores, argmax = ops.forward(flat(q), q_start, q_len, q_mask, flat(d), d_start, d_len, d_mask,
                                  pair_q, pair_d, layout, lq, kind, precision, normalize)
     nq, nd = q_start.shape[0], d_start.shape[0]
