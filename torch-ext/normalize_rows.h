@@ -31,8 +31,13 @@ inline at::Tensor normalize_backward(const at::Tensor& g, const at::Tensor& x, a
   return ((g - xh * c) * inv).to(dtype);
 }
 
+// Where d's rows start in a buffer of inverse norms of q's rows then d's
+// (forward_train's, torch_binding.h, and the CUDA kernels'): a multiple of
+// 4 floats, so that d's block is 16-byte aligned for the wgmma kernels' TMA.
+inline int64_t inv_norms_d_start(int64_t q_rows) { return (q_rows + 3) & ~int64_t(3); }
+
 // forward_train's inverse norms (torch_binding.h, ForwardTrainFn) in ATen
-// ops: 1 / max(|q_r|, eps) at r, d's rows from b_at = round_up(Tq, 4), fp32.
+// ops: 1 / max(|q_r|, eps) at r, d's rows from inv_norms_d_start, fp32.
 inline at::Tensor inverse_norms(const at::Tensor& q, const at::Tensor& d) {
   const auto inv = [](const at::Tensor& x) {
     return at::linalg_vector_norm(x.to(at::kFloat), 2, at::IntArrayRef{-1}, false)
@@ -41,7 +46,7 @@ inline at::Tensor inverse_norms(const at::Tensor& q, const at::Tensor& d) {
         .reciprocal();
   };
   const at::Tensor iq = inv(q), id = inv(d);
-  const int64_t b_at = (iq.numel() + 3) & ~int64_t(3);
+  const int64_t b_at = inv_norms_d_start(iq.numel());
   at::Tensor out = at::zeros({b_at + id.numel()}, q.options().dtype(at::kFloat));
   out.narrow(0, 0, iq.numel()).copy_(iq);
   out.narrow(0, b_at, id.numel()).copy_(id);

@@ -110,12 +110,12 @@ using ForwardSignature = R(
 using ForwardFn = ForwardSignature<std::tuple<at::Tensor, at::Tensor>>;
 
 // forward_train: forward's (scores, argmax) and, under normalize (else an
-// empty tensor), the inverse row norms: fp32 [inv_norms_size], 1 /
-// max(|q_r|, 1e-12) at r, the documents' from round_up(Tq, 4). CUDA computes
+// empty tensor), the inverse row norms: fp32 [inv_norms_d_start(Tq) + Td]
+// (normalize_rows.h), 1 / max(|q_r|, 1e-12) at r, the documents' from
+// inv_norms_d_start(Tq). CUDA computes
 // them for its forward kernels anyway and its backward reads them (the
 // backward's inv_norms); other backends' backward derives its own.
 using ForwardTrainFn = ForwardSignature<std::tuple<at::Tensor, at::Tensor, at::Tensor>>;
-inline int64_t inv_norms_size(int64_t Tq, int64_t Td) { return ((Tq + 3) & ~int64_t(3)) + Td; }
 
 // Quantized tokens (inference only): q / d are int8 or float8_e4m3fn with
 // per-token fp32 scales q_scale [Tq] (> 0) / d_scale [Td]; token r stands for

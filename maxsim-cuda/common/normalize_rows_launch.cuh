@@ -10,8 +10,8 @@ namespace cuda_norm {
 
 inline bool rows_aligned16(const at::Tensor& x) { return !x.defined() || aligned_to(x.data_ptr(), 16); }
 
-// Inverse norms of two row blocks in one buffer; b's block starts on a
-// 16-byte boundary (the wgmma kernels read the documents' by TMA).
+// Inverse norms of two row blocks in one buffer; b's block starts at
+// inv_norms_d_start (normalize_rows.h).
 struct InvNorms {
   at::Tensor buf;
   float* a = nullptr;
@@ -23,7 +23,7 @@ struct InvNorms {
 inline InvNorms inv_norms(const at::Tensor& a, const at::Tensor& b = at::Tensor()) {
   const at::Tensor& any = a.defined() ? a : b;
   const int64_t rows = rows_of(a) + rows_of(b), dim = any.size(1);
-  const int64_t b_at = (rows_of(a) + 3) & ~int64_t(3);
+  const int64_t b_at = inv_norms_d_start(rows_of(a));
   InvNorms inv;
   inv.buf = at::empty({b_at + rows_of(b)}, any.options().dtype(at::kFloat));
   inv.a = inv.buf.data_ptr<float>();
@@ -51,7 +51,7 @@ inline InvNorms inv_norms(const at::Tensor& a, const at::Tensor& b = at::Tensor(
 // absent or of another size.
 inline InvNorms saved_inv_norms(const std::optional<at::Tensor>& saved, int64_t Tq, int64_t Td, at::Device dev) {
   InvNorms inv;
-  const int64_t b_at = (Tq + 3) & ~int64_t(3);
+  const int64_t b_at = inv_norms_d_start(Tq);
   if (!saved.has_value() || !saved->defined() || saved->scalar_type() != at::kFloat || saved->dim() != 1 ||
       saved->numel() != b_at + Td || saved->device() != dev || !saved->is_contiguous())
     return inv;
